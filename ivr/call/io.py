@@ -1,0 +1,90 @@
+"""The seam between what a call *does* (the flow runner) and how it sounds (the audio session).
+
+The flow runner only ever talks to a ``CallIO``. The audio call session implements it over
+Twilio Media Streams; the text-mode runner used by ``ivr flows test`` implements it over plain
+strings. Both give the runner the same guarantees:
+
+* ``say`` / ``say_stream`` return only when the audio has been *played* to the caller (or the
+  caller interrupted it), and report exactly the text the caller heard.
+* Caller input that arrives while the bot is talking (barge-in speech, DTMF) is not lost: the
+  next ``listen`` returns it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Spoken:
+    text_heard: str
+    """The part of the prompt the caller actually heard (all of it unless interrupted)."""
+    interrupted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ListenSpec:
+    """What kind of answer the flow waits for, and how long."""
+
+    speech: bool = True
+    dtmf: bool = True
+    no_input_timeout: float = 6.0
+    """Seconds of silence (no speech start, no key) before ``NoInput``."""
+    num_digits: int | None = None
+    """Finish DTMF collection after this many digits."""
+    finish_on_key: str = "#"
+    """Key that ends DTMF collection early (not included in the digits); "" for none."""
+    inter_digit_timeout: float = 3.0
+    """Seconds after a key press before the collected digits are returned."""
+
+
+@dataclass(frozen=True, slots=True)
+class Utterance:
+    text: str
+    """What the caller said; may be "" when STT heard nothing usable."""
+    latency: dict[str, float] = field(default_factory=dict)
+    """Per-stage timings (seconds) of this turn so far, e.g. {"stt": 0.21}."""
+
+
+@dataclass(frozen=True, slots=True)
+class Digits:
+    digits: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoInput:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class HungUp:
+    pass
+
+
+CallerInput = Utterance | Digits | NoInput | HungUp
+
+
+class CallIO(Protocol):
+    async def say(self, text: str, *, interruptible: bool = True) -> Spoken:
+        """Speak ``text`` and wait until it has played (or was interrupted)."""
+        ...
+
+    async def say_stream(
+        self, chunks: AsyncIterator[str], *, interruptible: bool = True
+    ) -> Spoken:
+        """Speak text as it streams in (LLM deltas): each sentence goes to TTS once complete."""
+        ...
+
+    async def listen(self, spec: ListenSpec) -> CallerInput:
+        """Wait for the caller's next answer under ``spec``."""
+        ...
+
+    async def transfer(self, number: str) -> None:
+        """Hand the call to ``number``; the stream ends afterwards."""
+        ...
+
+    async def hangup(self) -> None:
+        """End the call (after anything already said has played)."""
+        ...

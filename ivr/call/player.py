@@ -1,0 +1,248 @@
+"""Outbound audio: paced sending, marks, the playout clock and barge-in.
+
+Bot speech is a sequence of *segments* (one per sentence). Each segment's mu-law audio is sent
+in 20 ms multiples, paced so that at most ``lead`` seconds are queued at Twilio ahead of its
+playout clock (so a ``clear`` discards little and costs nothing), and is followed by a mark
+named ``g<generation>:<seq>``. Twilio echoes a mark once the audio before it has played, and
+echoes *every* pending mark at once on ``clear``; bumping the generation on interrupt is what
+lets us tell those apart from real playback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+FRAME_BYTES = 160  # 20 ms of 8 kHz mu-law
+BYTES_PER_SECOND = 8000
+ULAW_SILENCE = b"\xff"
+
+SendText = Callable[[str], Awaitable[None]]
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One sentence of bot speech and what became of it."""
+
+    text: str
+    generation: int
+    seq: int
+    total_bytes: int = 0
+    closed: bool = False
+    first_sent_at: float | None = None
+    play_start: float | None = None
+    """Estimated time Twilio starts playing this segment (from our playout clock)."""
+    played: asyncio.Event = field(default_factory=asyncio.Event)
+    dropped: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.total_bytes / BYTES_PER_SECOND
+
+    def heard_fraction(self, now: float) -> float:
+        if self.played.is_set() and not self.dropped:
+            return 1.0
+        if self.play_start is None or now <= self.play_start or self.total_bytes == 0:
+            return 0.0
+        return min(1.0, (now - self.play_start) / self.duration)
+
+
+def heard_prefix(text: str, fraction: float) -> str:
+    """The words of ``text`` a caller heard when ``fraction`` of its audio played."""
+    if fraction >= 0.999:
+        return text
+    if fraction <= 0.0:
+        return ""
+    words = text.split()
+    # Speech time is roughly proportional to characters; keep only words fully heard.
+    budget = fraction * len(text)
+    kept: list[str] = []
+    used = 0
+    for word in words:
+        if used + len(word) > budget:
+            break
+        kept.append(word)
+        used += len(word) + 1
+    return " ".join(kept)
+
+
+class AudioPlayer:
+    """Owns the outbound half of one stream. Run ``run_sender()`` in the call's task group."""
+
+    def __init__(
+        self,
+        send_media: Callable[[bytes], Awaitable[None]],
+        send_mark: Callable[[str], Awaitable[None]],
+        send_clear: Callable[[], Awaitable[None]],
+        *,
+        lead_seconds: float = 0.6,
+        chunk_frames: int = 5,
+        max_buffered_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._send_media = send_media
+        self._send_mark = send_mark
+        self._send_clear = send_clear
+        self._lead = lead_seconds
+        self._chunk_bytes = chunk_frames * FRAME_BYTES
+        self._max_buffered = int(max_buffered_seconds * BYTES_PER_SECOND)
+        self._clock = clock
+        self._queue: deque[tuple[Segment, bytes | None]] = deque()  # None = the segment's mark
+        self._queued_bytes = 0
+        self._wakeup = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._send_lock = asyncio.Lock()
+        self._generation = 0
+        self._seq = 0
+        self._segments: dict[str, Segment] = {}
+        self._pending_tail: dict[int, bytearray] = {}
+        self._playout_end = 0.0
+
+    # -- producer side --------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def open_segment(self, text: str) -> Segment:
+        self._seq += 1
+        segment = Segment(text=text, generation=self._generation, seq=self._seq)
+        self._segments[self._mark_name(segment)] = segment
+        return segment
+
+    async def write(self, segment: Segment, ulaw: bytes) -> None:
+        """Queue audio for ``segment``; waits while too much audio is already buffered."""
+        if segment.generation != self._generation:
+            return
+        tail = self._pending_tail.setdefault(id(segment), bytearray())
+        tail += ulaw
+        whole = len(tail) - len(tail) % FRAME_BYTES
+        if whole:
+            self._enqueue(segment, bytes(tail[:whole]))
+            del tail[:whole]
+        while self._queued_bytes > self._max_buffered and segment.generation == self._generation:
+            self._space.clear()
+            await self._space.wait()
+
+    def close_segment(self, segment: Segment) -> None:
+        """No more audio for ``segment``: pad its last frame and queue its mark."""
+        tail = self._pending_tail.pop(id(segment), bytearray())
+        if segment.generation != self._generation:
+            return
+        if tail:
+            self._enqueue(segment, bytes(tail) + ULAW_SILENCE * (FRAME_BYTES - len(tail)))
+        segment.closed = True
+        self._queue.append((segment, None))
+        self._wakeup.set()
+
+    def _enqueue(self, segment: Segment, ulaw: bytes) -> None:
+        segment.total_bytes += len(ulaw)
+        self._queue.append((segment, ulaw))
+        self._queued_bytes += len(ulaw)
+        self._wakeup.set()
+
+    async def wait_played(self, segment: Segment) -> None:
+        """Until the segment's mark echoes (or it is dropped by an interrupt).
+
+        If the peer never echoes marks, the playout clock plus a grace period decides.
+        """
+        while not segment.played.is_set():
+            deadline = self._estimated_end(segment) + 2.0
+            timeout = max(0.05, deadline - self._clock())
+            try:
+                await asyncio.wait_for(segment.played.wait(), timeout)
+            except TimeoutError:
+                if segment.closed and not self._has_queued(segment):
+                    segment.played.set()
+
+    def _estimated_end(self, segment: Segment) -> float:
+        if segment.play_start is None:
+            return self._clock() + segment.duration + self._lead
+        return segment.play_start + segment.duration
+
+    def _has_queued(self, segment: Segment) -> bool:
+        return any(s is segment for s, _ in self._queue)
+
+    # -- barge-in -------------------------------------------------------------------------
+
+    async def interrupt(self) -> None:
+        """Drop everything not yet played: local queue and Twilio's buffer."""
+        now = self._clock()
+        self._generation += 1
+        for segment in self._segments.values():
+            if not segment.played.is_set():
+                segment.dropped = segment.heard_fraction(now) < 1.0
+                segment.played.set()
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._pending_tail.clear()
+        self._segments.clear()
+        self._space.set()
+        self._playout_end = now
+        async with self._send_lock:
+            await self._send_clear()
+
+    def on_mark(self, name: str) -> None:
+        segment = self._segments.pop(name, None)
+        # Marks of a cleared generation echo at once on `clear`: they prove nothing was heard.
+        if segment is None or segment.generation != self._generation:
+            return
+        segment.played.set()
+
+    @property
+    def speaking(self) -> bool:
+        """True while bot audio is queued here or still playing at Twilio."""
+        return bool(self._queue) or self._clock() < self._playout_end
+
+    def buffered_seconds(self) -> float:
+        return self._queued_bytes / BYTES_PER_SECOND + max(0.0, self._playout_end - self._clock())
+
+    # -- sender task ----------------------------------------------------------------------
+
+    async def run_sender(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            ahead = self._playout_end - self._clock()
+            if ahead > self._lead:
+                await asyncio.sleep(ahead - self._lead)
+                continue
+            await self._send_next()
+
+    async def _send_next(self) -> None:
+        segment, audio = self._queue[0]
+        if audio is None:
+            self._queue.popleft()
+            async with self._send_lock:
+                if segment.generation == self._generation:
+                    await self._send_mark(self._mark_name(segment))
+            return
+        chunk = audio[: self._chunk_bytes]
+        rest = audio[self._chunk_bytes :]
+        if rest:
+            self._queue[0] = (segment, rest)
+        else:
+            self._queue.popleft()
+        self._queued_bytes -= len(chunk)
+        if self._queued_bytes <= self._max_buffered:
+            self._space.set()
+        async with self._send_lock:
+            if segment.generation != self._generation:
+                return
+            now = self._clock()
+            start = max(now, self._playout_end)
+            if segment.first_sent_at is None:
+                segment.first_sent_at = now
+                segment.play_start = start
+            self._playout_end = start + len(chunk) / BYTES_PER_SECOND
+            await self._send_media(chunk)
+
+    @staticmethod
+    def _mark_name(segment: Segment) -> str:
+        return f"g{segment.generation}:{segment.seq}"

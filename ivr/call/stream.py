@@ -1,0 +1,230 @@
+"""One Media Streams WebSocket, from handshake to teardown.
+
+The handshake is refused (close 1008, which Twilio sees as a 403) unless the signature over the
+``wss://`` URL is valid and the per-call token in the path was minted by a webhook for the same
+CallSid that ``start`` names. Then four tasks share the call, all owned here: the receive loop,
+the paced sender, the STT worker and the conversation (flow runner). Whichever ends the call
+first (``stop``, a dropped socket, the flow hanging up) cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import structlog
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from ivr.audio.endpointer import EndpointConfig, Endpointer
+from ivr.audio.vad import WebRtcVad
+from ivr.call.player import AudioPlayer
+from ivr.call.session import CallEnd, CallSession
+from ivr.errors import ProtocolError
+from ivr.gateway import Gateway
+from ivr.obs import metrics
+from ivr.state.base import CallRecord, CallStatus
+from ivr.telephony import twilio
+from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
+
+log = structlog.get_logger("ivr.stream")
+
+START_TIMEOUT = 10.0
+POLICY_VIOLATION = 1008
+
+
+@dataclass(slots=True)
+class _Outcome:
+    reason: str = "disconnect"  # "stop" | "disconnect" | "hangup" | "transfer" | "error"
+    end: CallEnd | None = None
+
+
+async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
+    call_sid = await _authorise(ws, token, gateway)
+    if call_sid is None:
+        return
+    await ws.accept()
+    try:
+        start = await asyncio.wait_for(_wait_for_start(ws), START_TIMEOUT)
+    except (TimeoutError, WebSocketDisconnect, ProtocolError) as exc:
+        log.warning("stream.no_start", error=repr(exc))
+        await _close(ws, POLICY_VIOLATION)
+        return
+    if start.call_sid != call_sid:
+        log.warning("stream.callsid_mismatch", token_call_sid=call_sid, start_call_sid=start.call_sid)
+        metrics.PROTOCOL_ERRORS.labels("callsid_mismatch").inc()
+        await _close(ws, POLICY_VIOLATION)
+        return
+    with structlog.contextvars.bound_contextvars(call_sid=start.call_sid, stream_sid=start.stream_sid):
+        metrics.ACTIVE_CALLS.inc()
+        outcome = _Outcome()
+        try:
+            await _run_call(ws, start, gateway, outcome)
+        finally:
+            metrics.ACTIVE_CALLS.dec()
+            metrics.CALLS.labels(outcome.reason).inc()
+            await _finish(gateway, start.call_sid, outcome)
+            await _close(ws, 1000)
+            log.info("call.stream_ended", outcome=outcome.reason)
+
+
+async def _authorise(ws: WebSocket, token: str, gateway: Gateway) -> str | None:
+    if gateway.signatures is not None:
+        signature = ws.headers.get("x-twilio-signature", "")
+        if not gateway.signatures.check_stream(ws.url.path, signature):
+            log.warning("stream.bad_signature", url=gateway.signatures.stream_url(ws.url.path))
+            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
+            await ws.close(POLICY_VIOLATION)
+            return None
+    elif not gateway.accepts_unsigned:
+        await ws.close(POLICY_VIOLATION)
+        return None
+    call_sid = await gateway.store.check_stream_token(token)
+    if call_sid is None:
+        log.warning("stream.unknown_token")
+        metrics.PROTOCOL_ERRORS.labels("bad_token").inc()
+        await ws.close(POLICY_VIOLATION)
+    return call_sid
+
+
+async def _wait_for_start(ws: WebSocket) -> Start:
+    while True:
+        message = twilio.parse_message(await ws.receive_text())
+        if isinstance(message, Start):
+            return message
+        if isinstance(message, Stop):
+            raise ProtocolError("stop_before_start")
+
+
+async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Outcome) -> None:
+    record = await _attach(gateway, start)
+    send = ws.send_text  # only the player sends, under its own lock
+    player = AudioPlayer(
+        send_media=lambda ulaw: send(twilio.media_message(start.stream_sid, ulaw)),
+        send_mark=lambda name: send(twilio.mark_message(start.stream_sid, name)),
+        send_clear=lambda: send(twilio.clear_message(start.stream_sid)),
+        lead_seconds=gateway.settings.playout_lead_ms / 1000,
+    )
+    settings = gateway.settings
+    endpointer = Endpointer(
+        WebRtcVad(settings.vad_mode),
+        EndpointConfig(silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms),
+    )
+
+    def on_end(end: CallEnd) -> None:
+        outcome.end = end
+
+    session = CallSession(
+        player=player,
+        endpointer=endpointer,
+        stt=gateway.stt,
+        tts=gateway.tts,
+        prompts=gateway.prompts,
+        on_end=on_end,
+        llm_name=gateway.llm.name,
+    )
+    log.info("call.stream_started", resumed=record.stream_count > 1)
+    tasks = {
+        asyncio.create_task(_receive(ws, session), name="receive"),
+        asyncio.create_task(player.run_sender(), name="sender"),
+        asyncio.create_task(session.run_stt(), name="stt"),
+    }
+    conversation = (
+        asyncio.create_task(gateway.conversation(session, record), name="conversation")
+        if gateway.conversation is not None
+        else None
+    )
+    if conversation is not None:
+        tasks.add(conversation)
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finished = done.pop()
+        if finished is conversation:
+            outcome.reason = outcome.end.action if outcome.end else "flow_ended"
+        elif not finished.cancelled() and finished.exception() is None:
+            outcome.reason = finished.result() or "disconnect"
+        if not finished.cancelled() and finished.exception() is not None:
+            outcome.reason = "error"
+            log.error("call.task_failed", task=finished.get_name(), exc_info=finished.exception())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if outcome.reason in ("stop", "disconnect"):
+        session.on_hangup()
+
+
+async def _receive(ws: WebSocket, session: CallSession) -> str:
+    """Dispatch Twilio's messages until ``stop`` or the socket closes; never raise on bad input."""
+    last_sequence = 0
+    reported: set[str] = set()
+    while True:
+        raw = await ws.receive()
+        if raw["type"] == "websocket.disconnect":
+            return "disconnect"
+        text = raw.get("text")
+        try:
+            message = twilio.parse_message(text if text is not None else raw.get("bytes") or b"")
+        except ProtocolError as exc:
+            metrics.PROTOCOL_ERRORS.labels(exc.reason).inc()
+            if exc.reason not in reported:  # one log line per kind per call, not 50 a second
+                reported.add(exc.reason)
+                log.warning("stream.bad_message", reason=exc.reason, detail=str(exc)[:200])
+            continue
+        sequence = getattr(message, "sequence", 0)
+        if sequence and last_sequence and sequence > last_sequence + 1:
+            metrics.PROTOCOL_ERRORS.labels("sequence_gap").inc()
+        last_sequence = max(last_sequence, sequence)
+        if isinstance(message, Media):
+            await session.on_media(message.payload, message.timestamp_ms / 1000)
+        elif isinstance(message, Dtmf):
+            await session.on_dtmf(message.digit)
+        elif isinstance(message, Mark):
+            session.on_mark(message.name)
+        elif isinstance(message, Stop):
+            return "stop"
+        elif isinstance(message, Unknown):
+            metrics.UNKNOWN_EVENTS.inc()
+
+
+async def _attach(gateway: Gateway, start: Start) -> CallRecord:
+    """Mark the call as carried by this instance on this stream (a resume bumps stream_count)."""
+
+    def attach(record: CallRecord) -> None:
+        record.stream_sid = start.stream_sid
+        record.account_sid = start.account_sid or record.account_sid
+        record.status = CallStatus.ACTIVE
+        record.instance_id = gateway.instance_id
+        record.stream_count += 1
+
+    return await gateway.store.update(start.call_sid, attach)
+
+
+async def _finish(gateway: Gateway, call_sid: str, outcome: _Outcome) -> None:
+    end = outcome.end
+
+    def mark(record: CallRecord) -> None:
+        if end is not None:
+            record.end_action = end.action
+            record.transfer_to = end.number
+            record.status = (
+                CallStatus.TRANSFERRING if end.action == "transfer" else CallStatus.ENDED
+            )
+        elif outcome.reason == "disconnect":
+            # No `stop`: the socket dropped. Twilio will fetch the <Connect action> URL and
+            # any instance can resume the call from the store.
+            record.status = CallStatus.RECONNECTING
+
+    try:
+        await gateway.store.update(call_sid, mark)
+        if outcome.reason == "stop" or (end is not None and end.action == "hangup"):
+            await gateway.store.end(call_sid, CallStatus.ENDED)
+    except Exception as exc:  # the call is over either way; never fail teardown
+        log.error("call.finish_failed", error=repr(exc))
+
+
+async def _close(ws: WebSocket, code: int) -> None:
+    if ws.application_state == WebSocketState.CONNECTED:
+        with contextlib.suppress(Exception):
+            await ws.close(code)
+

@@ -1,0 +1,132 @@
+"""The gateway's long-lived parts, built once per process and shared by every call.
+
+``Gateway.start()`` loads engines, starts the offline LLM server if no provider is configured,
+connects the call store and pre-synthesises static prompts; ``aclose()`` undoes all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import structlog
+
+from ivr.call.io import CallIO
+from ivr.call.prompts import PromptCache
+from ivr.config import Settings
+from ivr.llm.base import LanguageModel
+from ivr.providers import build_llm, build_stt, build_tts
+from ivr.state.base import CallRecord, CallStore
+from ivr.stt.base import SpeechToText
+from ivr.telephony.twilio import SignatureChecker
+from ivr.tts.base import TextToSpeech
+
+log = structlog.get_logger("ivr.gateway")
+
+
+class Conversation(Protocol):
+    """What runs a call once its stream is up (the flow runner)."""
+
+    def __call__(self, io: CallIO, record: CallRecord) -> Awaitable[None]: ...
+
+
+def _instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: CallStore,
+        stt: SpeechToText | None = None,
+        tts: TextToSpeech | None = None,
+        llm: LanguageModel | None = None,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = settings.instance_id or _instance_id()
+        self.store = store
+        self.stt = stt or build_stt(settings)
+        self.tts = tts or build_tts(settings)
+        self._llm = llm
+        self.prompts = PromptCache()
+        self.signatures: SignatureChecker | None = (
+            SignatureChecker(settings.twilio_auth_token, settings.public_url, settings.public_ws_base)
+            if settings.twilio_auth_token
+            else None
+        )
+        self.conversation: Conversation | None = None
+        self.static_prompts: Callable[[], set[str]] = set
+        self._exit = contextlib.AsyncExitStack()
+
+    @property
+    def llm(self) -> LanguageModel:
+        if self._llm is None:
+            raise RuntimeError("Gateway.start() has not run: no LLM yet")
+        return self._llm
+
+    @property
+    def accepts_unsigned(self) -> bool:
+        return self.signatures is None and self.settings.allow_unsigned
+
+    async def start(self) -> None:
+        settings = self.settings
+        if self.signatures is None:
+            if settings.allow_unsigned:
+                log.warning(
+                    "security.unsigned_requests_allowed",
+                    detail="TWILIO_AUTH_TOKEN is not set and IVR_ALLOW_UNSIGNED=true: anyone who "
+                    "can reach this server can place calls. Development only.",
+                )
+            else:
+                log.error(
+                    "security.calls_refused",
+                    detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
+                    "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
+                )
+        start_store = getattr(self.store, "start", None)
+        if start_store is not None:
+            await start_store()
+        if self._llm is None:
+            self._llm = await self._start_llm()
+        for engine in (self.stt, self.tts):
+            warm = getattr(engine, "warm", None)
+            if warm is not None:
+                await warm()
+        added = await self.prompts.warm(self.tts, sorted(self.static_prompts()))
+        log.info(
+            "gateway.started",
+            instance=self.instance_id,
+            stt=self.stt.name,
+            tts=self.tts.name,
+            llm=self.llm.name,
+            llm_model=self.llm.model,
+            prompts_cached=added,
+        )
+
+    async def _start_llm(self) -> LanguageModel:
+        settings = self.settings
+        if not settings.use_local_llm:
+            return build_llm(
+                settings,
+                base_url=settings.llm_base_url,
+                api_key=settings.llm_api_key,
+                model=settings.llm_model,
+            )
+        from ivr.llm.local_server import LocalLlmServer
+
+        log.info("llm.offline", detail="no LLM API key set: starting the offline model server")
+        server: Any = await self._exit.enter_async_context(LocalLlmServer())
+        return build_llm(settings, base_url=server.base_url, api_key=server.api_key, model=server.model)
+
+    async def aclose(self) -> None:
+        for closeable in (self._llm, self.stt, self.tts, self.store):
+            if closeable is not None:
+                with contextlib.suppress(Exception):
+                    await closeable.aclose()
+        await self._exit.aclose()

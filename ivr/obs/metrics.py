@@ -1,0 +1,57 @@
+"""Every Prometheus metric the gateway exports, declared in one place.
+
+Labels stay bounded: provider, stage, outcome, reason. Never a call SID or a phone number.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Voice turns land between ~0.3 s and a few seconds; stages between ~10 ms and ~2 s.
+TURN_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0)
+STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+TURN_LATENCY = Histogram(
+    "ivr_turn_latency_seconds",
+    "Voice-to-voice latency: end of caller speech to first bot audio sent to Twilio.",
+    buckets=TURN_BUCKETS,
+)
+STT_LATENCY = Histogram(
+    "ivr_stt_latency_seconds",
+    "End of utterance to final transcript.",
+    ["provider"],
+    buckets=STAGE_BUCKETS,
+)
+LLM_TTFT = Histogram(
+    "ivr_llm_time_to_first_token_seconds",
+    "LLM request to first streamed token.",
+    ["provider"],
+    buckets=STAGE_BUCKETS,
+)
+TTS_TTFB = Histogram(
+    "ivr_tts_time_to_first_byte_seconds",
+    "TTS request to first audio byte.",
+    ["provider"],
+    buckets=STAGE_BUCKETS,
+)
+GATEWAY_OVERHEAD = Histogram(
+    "ivr_gateway_overhead_seconds",
+    "Turn latency not spent in providers or endpoint silence: what the gateway itself adds.",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+)
+PROVIDER_ERRORS = Counter(
+    "ivr_provider_errors_total", "Provider failures.", ["stage", "provider", "kind"]
+)
+ACTIVE_CALLS = Gauge("ivr_active_calls", "Media streams currently connected to this instance.")
+CALLS = Counter("ivr_calls_total", "Media streams handled, by how they ended.", ["outcome"])
+WEBHOOKS = Counter("ivr_webhooks_total", "Voice webhooks, by outcome.", ["outcome"])
+PROTOCOL_ERRORS = Counter(
+    "ivr_protocol_errors_total", "Inbound stream messages we could not use.", ["reason"]
+)
+UNKNOWN_EVENTS = Counter("ivr_unknown_events_total", "Inbound stream events we do not know.")
+BARGE_INS = Counter("ivr_barge_ins_total", "Bot speech interrupted by the caller.", ["trigger"])
+INBOUND_DROPPED = Counter(
+    "ivr_inbound_frames_dropped_total", "Caller audio frames dropped because a queue was full."
+)
+PROMPT_CACHE = Counter("ivr_prompt_cache_total", "Static prompt audio lookups.", ["result"])
+STORE_DEGRADED = Gauge("ivr_store_degraded", "1 while the call store (Redis) is unreachable.")

@@ -1,0 +1,27 @@
+"""The text-to-speech seam: text in, a stream of PCM16 chunks out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+
+class TextToSpeech(Protocol):
+    name: str
+    """Short provider label for metrics and logs (bounded cardinality)."""
+
+    sample_rate: int
+    """Rate (Hz) of the PCM16 this engine yields; the gateway resamples to 8 kHz."""
+
+    voice: str
+    """Voice id, part of the prompt-cache key."""
+
+    def synthesize(self, text: str) -> AsyncIterator[bytes]:
+        """Yield mono little-endian PCM16 at ``sample_rate`` as soon as each piece is ready.
+
+        Chunks hold whole samples (even byte counts). Cancelling the iteration stops the
+        engine's work. Raises ``ProviderError`` on failure.
+        """
+        ...
+
+    async def aclose(self) -> None: ...

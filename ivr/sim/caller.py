@@ -1,0 +1,762 @@
+"""The simulated caller: Twilio's voice webhook plus its Media Streams server, driven by a script.
+
+``place_call`` does what Twilio does for one inbound call: signed voice webhook, ``<Connect>
+<Stream>`` over WebSocket (signed handshake, ``connected``/``start``/real-time ``media``/``dtmf``/
+``mark`` echoes/``stop``), then the signed ``<Connect action>`` request when the gateway closes
+the stream, following a new ``<Connect><Stream>`` if that is what comes back. The Twilio side is
+written from the protocol reference, not from the gateway's parser, so each checks the other.
+
+All times in the report are seconds since the call was placed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin, urlsplit, urlunsplit
+
+import httpx
+import numpy as np
+import soxr
+from twilio.request_validator import RequestValidator
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from ivr.sim.playout import (
+    FRAME_BYTES,
+    SAMPLE_RATE,
+    ULAW_SILENCE,
+    Segment,
+    TwilioPlayout,
+    Violation,
+    render_track,
+    ulaw_decode,
+    ulaw_encode,
+    write_wav,
+)
+from ivr.sim.script import (
+    BargeIn,
+    Hangup,
+    Press,
+    Rendered,
+    Say,
+    Script,
+    Silence,
+    Synthesize,
+    Wav,
+    load_script,
+    render_script,
+    script_from_data,
+)
+
+Transcriber = Callable[[bytes], Awaitable[str]]
+"""PCM16 mono 16 kHz -> text; used only to print what the bot said."""
+
+_FRAME_S = FRAME_BYTES / SAMPLE_RATE
+_POLL_S = 0.02
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TurnReport:
+    caller_text: str | None
+    """What the caller said/pressed; None for the bot's greeting."""
+    caller_start_t: float
+    caller_end_t: float
+    """End of caller speech (greeting: when the stream started)."""
+    bot_first_audio_t: float | None = None
+    latency_s: float | None = None
+    """caller_end_t -> first bot sample played at the caller."""
+    bot_audio_seconds: float = 0.0
+    interrupted: bool = False
+    """A ``clear`` arrived during this bot turn."""
+    bot_text: str | None = None
+
+
+@dataclass(slots=True)
+class StreamReport:
+    url: str
+    stream_sid: str
+    started_t: float
+    ended_t: float = 0.0
+    ended_by: str = ""
+    """``caller`` (stop sent), ``gateway`` (it closed the socket) or ``handshake-failed``."""
+    custom_parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CallReport:
+    call_sid: str
+    account_sid: str
+    turns: list[TurnReport] = field(default_factory=list)
+    streams: list[StreamReport] = field(default_factory=list)
+    marks_echoed: int = 0
+    marks_cleared: int = 0
+    clears: list[float] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    twiml: list[str] = field(default_factory=list)
+    """Every TwiML document received: voice webhook first, then each action response."""
+    closing_twiml: str | None = None
+    resume_gaps_s: list[float] = field(default_factory=list)
+    """Gateway closed a stream -> the next stream started (when the action resumed the call)."""
+    errors: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format_transcript(self) -> str:
+        lines = [f"call {self.call_sid}  ({self.duration_s:.1f} s)"]
+        for s in self.streams:
+            lines.append(f"{s.started_t:7.2f}  stream {s.stream_sid} ({s.url})")
+        for t in self.turns:
+            if t.caller_text is not None:
+                lines.append(f"{t.caller_start_t:7.2f}  CALLER  {t.caller_text}")
+            lines.append(_bot_line(t))
+        for s in self.streams:
+            lines.append(f"{s.ended_t:7.2f}  stream {s.stream_sid} ended by {s.ended_by}")
+        if self.resume_gaps_s:
+            lines.append("resume gaps: " + ", ".join(f"{g:.2f} s" for g in self.resume_gaps_s))
+        lines.append(f"closing TwiML: {self.closing_twiml or '(none)'}")
+        lines.append(
+            f"marks echoed {self.marks_echoed} ({self.marks_cleared} by clear), "
+            f"clears {len(self.clears)}, protocol violations {len(self.violations)}"
+        )
+        lines += [f"  violation {v.t:.2f} {v.code}: {v.reason}" for v in self.violations]
+        lines += [f"  error: {e}" for e in self.errors]
+        return "\n".join(lines)
+
+
+def _bot_line(t: TurnReport) -> str:
+    if t.bot_first_audio_t is None:
+        return f"{t.caller_end_t:7.2f}  BOT     (no audio)"
+    said = f'  "{t.bot_text}"' if t.bot_text else ""
+    cut = "  [interrupted]" if t.interrupted else ""
+    return (
+        f"{t.bot_first_audio_t:7.2f}  BOT     {t.bot_audio_seconds:.2f} s audio, "
+        f"latency {t.latency_s:.3f} s{cut}{said}"
+    )
+
+
+# -- the caller's microphone ----------------------------------------------------------------------
+
+
+class _Mic:
+    """Caller audio waiting to go out, 20 ms per frame; silence (or faint noise) otherwise."""
+
+    def __init__(self, comfort_noise: bool) -> None:
+        self._buf = bytearray()
+        self._queued = 0
+        self._taken = 0
+        self._waiters: list[tuple[int, asyncio.Future[float]]] = []
+        self._noise = _noise_frames() if comfort_noise else []
+        self._noise_i = 0
+
+    def queue(self, audio: bytes) -> asyncio.Future[float]:
+        """Queue whole frames; the future gets the send time of the last one."""
+        self._buf += audio
+        self._queued += len(audio)
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._waiters.append((self._queued, fut))
+        return fut
+
+    def take(self) -> tuple[bytes, bool]:
+        if self._buf:
+            frame = bytes(self._buf[:FRAME_BYTES])
+            del self._buf[:FRAME_BYTES]
+            self._taken += len(frame)
+            return frame, True
+        if self._noise:
+            self._noise_i = (self._noise_i + 1) % len(self._noise)
+            return self._noise[self._noise_i], False
+        return bytes([ULAW_SILENCE]) * FRAME_BYTES, False
+
+    def sent(self, t: float) -> None:
+        while self._waiters and self._waiters[0][0] <= self._taken:
+            _, fut = self._waiters.pop(0)
+            if not fut.done():
+                fut.set_result(t)
+
+
+def _noise_frames() -> list[bytes]:
+    # About -66 dBFS: present on the line like a real handset, far below any VAD threshold.
+    rng = np.random.default_rng(7)
+    pcm = (rng.normal(0, 16, 50 * FRAME_BYTES)).astype("<i2").tobytes()
+    ulaw = ulaw_encode(pcm)
+    return [ulaw[i : i + FRAME_BYTES] for i in range(0, len(ulaw), FRAME_BYTES)]
+
+
+# -- one call, across streams ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Ids:
+    call_sid: str
+    account_sid: str
+    from_: str
+    to: str
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamTwiml:
+    url: str
+    parameters: dict[str, str]
+    action: str | None
+    method: str
+
+
+@dataclass(slots=True)
+class _CallerTurn:
+    text: str | None
+    start_t: float
+    end_t: float
+
+
+class _Line:
+    """State shared by the script runner and whichever stream is connected."""
+
+    def __init__(self, t0: float, comfort_noise: bool) -> None:
+        self.t0 = t0
+        self.mic = _Mic(comfort_noise)
+        self.playouts: list[TwilioPlayout] = []
+        self.caller_track: list[Segment] = []
+        self.caller_turns: list[_CallerTurn] = []
+        self.session: _Session | None = None
+        self.session_changed = asyncio.Event()
+        self.hangup = asyncio.Event()
+        self.first_stream_t: float | None = None
+
+    def rel(self, t: float) -> float:
+        return t - self.t0
+
+    def last_bot_audio(self, now: float) -> float | None:
+        ends = [e for p in self.playouts if (e := p.last_played_t(now)) is not None]
+        return max(ends, default=None)
+
+    def first_bot_audio_after(self, since: float, now: float) -> float | None:
+        starts = [
+            p.t0 + s.start / SAMPLE_RATE
+            for p in self.playouts
+            for s in p.segments
+            if s.arrived_t >= since
+        ]
+        first = min(starts, default=None)
+        return first if first is not None and first <= now else None
+
+    async def wait_bot_turn(self, since: float, turn_gap: float, max_wait: float) -> None:
+        """Until the bot spoke after ``since`` and then went quiet for ``turn_gap`` (or timeout)."""
+        deadline = time.monotonic() + max_wait
+        while (now := time.monotonic()) < deadline:
+            last = self.last_bot_audio(now)
+            if (
+                self.first_bot_audio_after(since, now) is not None
+                and last is not None
+                and now - last >= turn_gap
+            ):
+                return
+            await asyncio.sleep(_POLL_S)
+
+    async def wait_bot_start(self, since: float, max_wait: float) -> float | None:
+        deadline = time.monotonic() + max_wait
+        while (now := time.monotonic()) < deadline:
+            first = self.first_bot_audio_after(since, now)
+            if first is not None:
+                return first
+            await asyncio.sleep(_POLL_S)
+        return None
+
+    async def current_session(self) -> _Session:
+        while self.session is None:
+            self.session_changed.clear()
+            await self.session_changed.wait()
+        return self.session
+
+
+class _Session:
+    """One Media Stream WebSocket, from ``connected`` to ``stop`` or the gateway's close."""
+
+    def __init__(self, line: _Line, ws: ClientConnection, ids: _Ids, stream: _StreamTwiml) -> None:
+        self.line = line
+        self.ws = ws
+        self.ids = ids
+        self.stream = stream
+        self.sid = "MZ" + secrets.token_hex(16)
+        self.playout = TwilioPlayout(self.sid, t0=line.t0)
+        self._seq = 0
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self.started_t = 0.0
+
+    async def _send(self, msg: dict[str, Any], numbered: bool = True) -> float:
+        # The lock keeps sequence numbers in wire order across the three sending tasks.
+        async with self._lock:
+            if numbered:
+                self._seq += 1
+                msg = {"event": msg["event"], "sequenceNumber": str(self._seq), **msg}
+                msg["streamSid"] = self.sid
+            await self.ws.send(json.dumps(msg))
+            return time.monotonic()
+
+    async def send_dtmf(self, digit: str) -> float:
+        body = {"track": "inbound_track", "digit": digit}
+        return await self._send({"event": "dtmf", "dtmf": body})
+
+    async def run(self) -> str:
+        await self._send({"event": "connected", "protocol": "Call", "version": "1.0.0"}, False)
+        self.started_t = await self._send({"event": "start", "start": self._start_body()})
+        self.line.playouts.append(self.playout)
+        if self.line.first_stream_t is None:
+            self.line.first_stream_t = self.started_t
+        self.line.session = self
+        self.line.session_changed.set()
+        pump = asyncio.create_task(self._pump())
+        marker = asyncio.create_task(self._echo_marks())
+        recv = asyncio.create_task(self._receive())
+        hang = asyncio.create_task(self.line.hangup.wait())
+        try:
+            await asyncio.wait({recv, hang}, return_when=asyncio.FIRST_COMPLETED)
+            if recv.done():
+                return "gateway"
+            pump.cancel()  # no media after stop
+            await asyncio.gather(pump, return_exceptions=True)
+            with contextlib.suppress(ConnectionClosed):
+                stop = {"accountSid": self.ids.account_sid, "callSid": self.ids.call_sid}
+                await self._send({"event": "stop", "stop": stop})
+                await self.ws.close()
+            return "caller"
+        finally:
+            self.line.session = None
+            self.playout.close()
+            for task in (pump, marker, recv, hang):
+                task.cancel()
+            await asyncio.gather(pump, marker, recv, hang, return_exceptions=True)
+
+    def _start_body(self) -> dict[str, Any]:
+        return {
+            "accountSid": self.ids.account_sid,
+            "streamSid": self.sid,
+            "callSid": self.ids.call_sid,
+            "tracks": ["inbound"],
+            "customParameters": dict(self.stream.parameters),
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": SAMPLE_RATE, "channels": 1},
+        }
+
+    async def _pump(self) -> None:
+        """Caller audio at real time, 20 ms a frame, for as long as the stream lives."""
+        origin = time.monotonic()
+        offset = origin - self.started_t  # timestamps count from the start of the stream
+        chunk = 0
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                chunk += 1
+                delay = origin + chunk * _FRAME_S - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                frame, speech = self.line.mic.take()
+                media = {
+                    "track": "inbound",
+                    "chunk": str(chunk),
+                    "timestamp": str(round((offset + (chunk - 1) * _FRAME_S) * 1000)),
+                    "payload": base64.b64encode(frame).decode(),
+                }
+                t = await self._send({"event": "media", "media": media})
+                if speech:
+                    start = round((t - self.line.t0) * SAMPLE_RATE) - FRAME_BYTES
+                    self.line.caller_track.append(Segment(t, max(0, start), frame))
+                self.line.mic.sent(t)
+
+    async def _receive(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in self.ws:
+                self.playout.receive(raw)
+                self._wake.set()
+
+    async def _echo_marks(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                self._wake.clear()
+                for echo in self.playout.due_marks():
+                    await self._send({"event": "mark", "mark": {"name": echo.name}})
+                nxt = self.playout.next_mark_time()
+                timeout = None if nxt is None else max(0.0, nxt - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+
+
+# -- script runner --------------------------------------------------------------------------------
+
+
+async def _run_script(line: _Line, steps: list[Rendered], script: Script) -> None:
+    since = time.monotonic()
+    if script.wait_for_greeting:
+        await line.wait_bot_turn(since, script.turn_gap, script.max_wait)
+    for r in steps:
+        step = r.step
+        if isinstance(step, Hangup):
+            break
+        if isinstance(step, Silence):
+            await asyncio.sleep(step.silence)
+            continue
+        if isinstance(step, Say | Wav | Press) and step.wait and line.caller_turns:
+            await line.wait_bot_turn(line.caller_turns[-1].end_t, script.turn_gap, script.max_wait)
+        if isinstance(step, BargeIn):
+            await _barge_in_delay(line, step, script)
+        start = time.monotonic()
+        end = await _press(line, step) if isinstance(step, Press) else await line.mic.queue(r.audio)
+        line.caller_turns.append(_CallerTurn(r.text, start, end))
+    else:
+        if line.caller_turns:
+            await line.wait_bot_turn(line.caller_turns[-1].end_t, script.turn_gap, script.max_wait)
+    line.hangup.set()
+
+
+async def _barge_in_delay(line: _Line, step: BargeIn, script: Script) -> None:
+    since = line.caller_turns[-1].end_t if line.caller_turns else line.t0
+    first = await line.wait_bot_start(since, script.max_wait)
+    if first is not None:
+        await asyncio.sleep(max(0.0, first + step.barge_in.after - time.monotonic()))
+
+
+async def _press(line: _Line, step: Press) -> float:
+    t = time.monotonic()
+    for i, digit in enumerate(step.press):
+        if i:
+            await asyncio.sleep(step.gap)
+        t = await (await line.current_session()).send_dtmf(digit)
+    return t
+
+
+# -- webhooks -------------------------------------------------------------------------------------
+
+
+class _Twilio:
+    """Signed HTTP requests to the gateway, addressed by public URL, sent to the real one."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, http_base: str, public_base: str, token: str, ids: _Ids
+    ) -> None:
+        self.http = http
+        self.http_base = http_base.rstrip("/")
+        self.public_base = public_base.rstrip("/")
+        self.validator = RequestValidator(token)
+        self.ids = ids
+
+    def params(self, status: str) -> dict[str, str]:
+        i = self.ids
+        return {
+            "AccountSid": i.account_sid,
+            "ApiVersion": "2010-04-01",
+            "CallSid": i.call_sid,
+            "CallStatus": status,
+            "Called": i.to,
+            "Caller": i.from_,
+            "Direction": "inbound",
+            "From": i.from_,
+            "To": i.to,
+        }
+
+    async def request(self, public_url: str, params: dict[str, str], method: str = "POST") -> str:
+        public_url = urljoin(self.public_base + "/", public_url)
+        if method.upper() == "GET":
+            public_url += ("&" if "?" in public_url else "?") + str(httpx.QueryParams(params))
+            params = {}
+        sig = self.validator.compute_signature(public_url, params)
+        real = _rebase(public_url, self.http_base)
+        resp = await self.http.request(
+            method.upper(), real, data=params or None, headers={"X-Twilio-Signature": sig}
+        )
+        if resp.status_code != 200:
+            raise _CallFailed(
+                f"{method} {public_url} -> HTTP {resp.status_code}: {resp.text[:200]}"
+            )
+        return resp.text
+
+
+class _CallFailed(Exception):
+    """Twilio would play its 'application error' message here (11200) and hang up."""
+
+
+def _rebase(public_url: str, real_base: str) -> str:
+    p, r = urlsplit(public_url), urlsplit(real_base)
+    return urlunsplit((r.scheme, r.netloc, p.path, p.query, ""))
+
+
+def _parse_stream(twiml: str) -> _StreamTwiml | None:
+    try:
+        root = ET.fromstring(twiml)
+    except ET.ParseError as e:
+        raise _CallFailed(f"TwiML is not XML: {e}") from e
+    if root.tag != "Response":
+        raise _CallFailed(f"TwiML root is <{root.tag}>, not <Response>")
+    for conn in root.iter("Connect"):
+        st = conn.find("Stream")
+        if st is None or not st.get("url"):
+            continue
+        params = {p.get("name", ""): p.get("value", "") for p in st.findall("Parameter")}
+        return _StreamTwiml(
+            st.get("url", ""), params, conn.get("action"), conn.get("method", "POST")
+        )
+    return None
+
+
+# -- the call -------------------------------------------------------------------------------------
+
+
+async def place_call(
+    http_base: str,
+    *,
+    script: Script | Sequence[str],
+    auth_token: str,
+    public_base_url: str | None = None,
+    ws_base: str | None = None,
+    from_: str = "+15550001111",
+    to: str = "+15550002222",
+    record_path: str | Path | None = None,
+    transcriber: Transcriber | None = None,
+    synthesize: Synthesize | None = None,
+    comfort_noise: bool = False,
+    open_timeout: float = 10.0,
+) -> CallReport:
+    """Place one inbound call at the gateway and run ``script`` on it, in real time."""
+    if not isinstance(script, Script):
+        script = script_from_data(list(script), source="<script>")
+    steps = await render_script(script, synthesize)
+    ids = _Ids("CA" + secrets.token_hex(16), "AC" + secrets.token_hex(16), from_, to)
+    ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
+    report = CallReport(ids.call_sid, ids.account_sid)
+    line = _Line(time.monotonic(), comfort_noise)
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        tw = _Twilio(http, http_base, public_base_url or http_base, auth_token, ids)
+        runner = asyncio.create_task(_run_script(line, steps, script))
+        try:
+            await _drive(line, tw, ws_base, report, open_timeout)
+        except _CallFailed as e:
+            report.errors.append(str(e))
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    await _finish(line, report, record_path, transcriber)
+    return report
+
+
+async def _drive(
+    line: _Line, tw: _Twilio, ws_base: str, report: CallReport, open_timeout: float
+) -> None:
+    twiml = await tw.request("/twilio/voice", tw.params("ringing"))
+    closed_at: float | None = None
+    while True:
+        report.twiml.append(twiml)
+        stream = _parse_stream(twiml)
+        if stream is None:
+            report.closing_twiml = twiml
+            return
+        if line.hangup.is_set():
+            return
+        s = await _connect_stream(line, tw, stream, ws_base, report, open_timeout)
+        if closed_at is not None and s.started_t:
+            report.resume_gaps_s.append(s.started_t - closed_at)
+        if s.ended_by == "caller":
+            return
+        closed_at = s.ended_t  # both relative to the call start
+        if stream.action is None:
+            return  # no action: the call goes on to the next verb, of which there is none
+        twiml = await tw.request(stream.action, tw.params("in-progress"), stream.method)
+
+
+async def _connect_stream(
+    line: _Line, tw: _Twilio, stream: _StreamTwiml, ws_base: str, report: CallReport, open_s: float
+) -> StreamReport:
+    url = _check_stream_url(stream.url, line, report)
+    info = StreamReport(stream.url, "", 0.0, custom_parameters=dict(stream.parameters))
+    report.streams.append(info)
+    # Twilio signs the wss:// URL it connects to, with no parameters.
+    headers = {"X-Twilio-Signature": tw.validator.compute_signature(url, {})}
+    outcome = "handshake-failed"
+    try:
+        async with connect(
+            _rebase(url, ws_base), additional_headers=headers, open_timeout=open_s
+        ) as ws:
+            session = _Session(line, ws, tw.ids, stream)
+            info.stream_sid = session.sid
+            try:
+                outcome = await session.run()
+            finally:
+                info.started_t = line.rel(session.started_t) if session.started_t else 0.0
+    except InvalidStatus as e:
+        report.errors.append(f"31920 stream handshake to {url}: HTTP {e.response.status_code}")
+    except (InvalidHandshake, OSError, TimeoutError) as e:
+        report.errors.append(f"31920 stream handshake to {url} failed: {e!r}")
+    info.ended_by = outcome
+    info.ended_t = line.rel(time.monotonic())
+    return info
+
+
+def _check_stream_url(url: str, line: _Line, report: CallReport) -> str:
+    """Twilio only dials wss:// and drops query strings; flag both, connect like Twilio would."""
+    parts = urlsplit(url)
+    now = time.monotonic()
+    if parts.scheme != "wss":
+        reason = f"<Stream url> must be wss://, got {parts.scheme}://"
+        report.violations.append(Violation(line.rel(now), "31922", reason, url))
+    if parts.query:
+        reason = "<Stream url> has a query string; Twilio does not deliver it"
+        report.violations.append(Violation(line.rel(now), "stream-url-query", reason, url))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+
+
+# -- after the call -------------------------------------------------------------------------------
+
+
+async def _finish(
+    line: _Line, report: CallReport, record_path: str | Path | None, transcriber: Transcriber | None
+) -> None:
+    end = time.monotonic()
+    report.duration_s = line.rel(end)
+    for p in line.playouts:
+        report.marks_echoed += len(p.echoes)
+        report.marks_cleared += sum(e.cleared for e in p.echoes)
+        report.clears += [line.rel(t) for t in p.clears]
+        report.violations += [
+            Violation(line.rel(v.t), v.code, v.reason, v.excerpt) for v in p.violations
+        ]
+    report.violations.sort(key=lambda v: v.t)
+    n = round(report.duration_s * SAMPLE_RATE)
+    bot = [s for p in line.playouts for s in p.segments]
+    report.turns = _turns(line, bot, end)
+    if record_path is not None:
+        caller = ulaw_decode(render_track(line.caller_track, n))
+        await asyncio.to_thread(write_wav, record_path, [caller, ulaw_decode(render_track(bot, n))])
+    if transcriber is not None:
+        await _transcribe(report.turns, bot, n, transcriber)
+
+
+def _turns(line: _Line, bot: list[Segment], end: float) -> list[TurnReport]:
+    """Bot audio belongs to the turn during which it *arrived* (after that caller turn ended)."""
+    turns = line.caller_turns
+    out: list[TurnReport] = []
+    if line.first_stream_t is not None:
+        until = turns[0].end_t if turns else end
+        greet = _turn(line, _CallerTurn(None, line.first_stream_t, line.first_stream_t), bot, until)
+        if greet.bot_first_audio_t is not None:
+            out.append(greet)
+    for i, t in enumerate(turns):
+        out.append(_turn(line, t, bot, turns[i + 1].end_t if i + 1 < len(turns) else end))
+    return out
+
+
+def _turn(line: _Line, t: _CallerTurn, bot: list[Segment], until: float) -> TurnReport:
+    mine = [s for s in bot if t.end_t <= s.arrived_t < until and s.audio]
+    rep = TurnReport(t.text, line.rel(t.start_t), line.rel(t.end_t))
+    if mine:
+        first = min(s.start for s in mine) / SAMPLE_RATE
+        rep.bot_first_audio_t = first
+        rep.latency_s = first - rep.caller_end_t
+        rep.bot_audio_seconds = sum(len(s.audio) for s in mine) / SAMPLE_RATE
+    clears = [c for p in line.playouts for c in p.clears]
+    rep.interrupted = any(t.end_t <= c < until for c in clears)
+    return rep
+
+
+async def _transcribe(
+    turns: list[TurnReport], bot: list[Segment], n: int, transcriber: Transcriber
+) -> None:
+    track = render_track(bot, n)
+    bounds = [t.bot_first_audio_t for t in turns]
+    for i, t in enumerate(turns):
+        if t.bot_first_audio_t is None:
+            continue
+        start = round(t.bot_first_audio_t * SAMPLE_RATE)
+        later = [b for b in bounds[i + 1 :] if b is not None]
+        stop = round(later[0] * SAMPLE_RATE) if later else n
+        pcm = np.frombuffer(ulaw_decode(track[start:stop]), dtype="<i2")
+        pcm16k = await asyncio.to_thread(soxr.resample, pcm, SAMPLE_RATE, 16000)
+        t.bot_text = (await transcriber(pcm16k.astype("<i2").tobytes())).strip()
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+class _StepAction(argparse.Action):
+    """Keeps --say/--wav/--press/--silence in the order given on the command line."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        steps = list(getattr(namespace, "steps", None) or [])
+        value = float(values) if self.dest == "silence" else values
+        steps.append({self.dest: value})
+        namespace.steps = steps
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ivr call", description="Call the gateway like Twilio does.")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="real address of the gateway")
+    p.add_argument("--ws-url", help="real WebSocket base (default: from --url)")
+    p.add_argument("--public-url", help="public base URL the gateway signs with (default: --url)")
+    p.add_argument("--auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"))
+    p.add_argument("--say", "-s", dest="say", action=_StepAction, metavar="TEXT")
+    p.add_argument("--wav", dest="wav", action=_StepAction, metavar="PATH")
+    p.add_argument("--press", dest="press", action=_StepAction, metavar="DIGITS")
+    p.add_argument("--silence", dest="silence", action=_StepAction, metavar="SECONDS")
+    p.add_argument("--script", type=Path, help="YAML call script (steps from flags are appended)")
+    p.add_argument("--from", dest="from_", default="+15550001111")
+    p.add_argument("--to", default="+15550002222")
+    p.add_argument("--record", type=Path, help="write the call as stereo WAV (caller L, bot R)")
+    p.add_argument("--comfort-noise", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def build_script(ns: argparse.Namespace) -> Script:
+    base = load_script(ns.script) if ns.script else None
+    flags = list(getattr(ns, "steps", None) or [])
+    if base is None:
+        return script_from_data(flags, source="command line")
+    data = base.model_dump(exclude_none=True)
+    data["steps"] = [{k: v for k, v in s.items() if k != "kind"} for s in data["steps"]] + flags
+    return script_from_data(data, source=str(ns.script))
+
+
+def run_cli(args: Sequence[str] | None = None, *, transcriber: Transcriber | None = None) -> int:
+    """``ivr call``: 0 when the call ran without errors or protocol violations."""
+    ns = _parser().parse_args(args)
+    if not ns.auth_token:
+        print("ivr call: --auth-token or TWILIO_AUTH_TOKEN is required", file=sys.stderr)
+        return 2
+    if not (ns.script or getattr(ns, "steps", None)):
+        print("ivr call: give --script or at least one --say/--wav/--press", file=sys.stderr)
+        return 2
+    report = asyncio.run(
+        place_call(
+            ns.url,
+            script=build_script(ns),
+            auth_token=ns.auth_token,
+            public_base_url=ns.public_url,
+            ws_base=ns.ws_url,
+            from_=ns.from_,
+            to=ns.to,
+            record_path=ns.record,
+            transcriber=transcriber,
+            comfort_noise=ns.comfort_noise,
+        )
+    )
+    print(json.dumps(report.to_dict(), indent=2) if ns.json else report.format_transcript())
+    return 1 if report.errors or report.violations else 0

@@ -61,7 +61,11 @@ class Settings(BaseSettings):
     tts_sample_rate: int = 24000
     tts_timeout: float = 10.0
 
+    # Silero (neural) ignores hiss and comfort noise that WebRTC's GMM hears as speech for
+    # seconds after a turn; WebRTC costs ~10x less CPU. Both run at 8 kHz.
+    vad: Literal["silero", "webrtc"] = "silero"
     vad_mode: int = Field(2, ge=0, le=3)
+    silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     endpoint_silence_ms: int = Field(300, ge=60, le=5000)
     min_speech_ms: int = Field(100, ge=20, le=5000)
     # How far ahead of Twilio's playout clock we may queue audio; bounds the cost of `clear`.

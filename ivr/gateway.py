@@ -10,7 +10,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -31,7 +31,7 @@ log = structlog.get_logger("ivr.gateway")
 class Conversation(Protocol):
     """What runs a call once its stream is up (the flow runner)."""
 
-    def __call__(self, io: CallIO, record: CallRecord) -> Awaitable[None]: ...
+    def __call__(self, io: CallIO, record: CallRecord) -> Coroutine[Any, Any, None]: ...
 
 
 def _instance_id() -> str:
@@ -56,7 +56,9 @@ class Gateway:
         self._llm = llm
         self.prompts = PromptCache()
         self.signatures: SignatureChecker | None = (
-            SignatureChecker(settings.twilio_auth_token, settings.public_url, settings.public_ws_base)
+            SignatureChecker(
+                settings.twilio_auth_token, settings.public_url, settings.public_ws_base
+            )
             if settings.twilio_auth_token
             else None
         )
@@ -122,7 +124,9 @@ class Gateway:
 
         log.info("llm.offline", detail="no LLM API key set: starting the offline model server")
         server: Any = await self._exit.enter_async_context(LocalLlmServer())
-        return build_llm(settings, base_url=server.base_url, api_key=server.api_key, model=server.model)
+        return build_llm(
+            settings, base_url=server.base_url, api_key=server.api_key, model=server.model
+        )
 
     async def aclose(self) -> None:
         for closeable in (self._llm, self.stt, self.tts, self.store):

@@ -71,9 +71,7 @@ class CallIO(Protocol):
         """Speak ``text`` and wait until it has played (or was interrupted)."""
         ...
 
-    async def say_stream(
-        self, chunks: AsyncIterator[str], *, interruptible: bool = True
-    ) -> Spoken:
+    async def say_stream(self, chunks: AsyncIterator[str], *, interruptible: bool = True) -> Spoken:
         """Speak text as it streams in (LLM deltas): each sentence goes to TTS once complete."""
         ...
 

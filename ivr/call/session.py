@@ -135,7 +135,9 @@ class CallSession:
             now = self._clock()
             # Map stream time back to our clock: the caller stopped (stream_now - end) ago.
             speech_end = now - max(0.0, stream_now - event.t_end_of_speech)
-            pending = _PendingUtterance(event.audio, TurnTimings(speech_end=speech_end, endpoint=now))
+            pending = _PendingUtterance(
+                event.audio, TurnTimings(speech_end=speech_end, endpoint=now)
+            )
             if self._stt_queue.full():
                 metrics.INBOUND_DROPPED.inc()
                 self._stt_queue.get_nowait()
@@ -253,7 +255,9 @@ class CallSession:
 
         return await self._run_speech(speech, produce())
 
-    async def _speak(self, chunks: AsyncIterator[str], interruptible: bool, from_llm: bool) -> Spoken:
+    async def _speak(
+        self, chunks: AsyncIterator[str], interruptible: bool, from_llm: bool
+    ) -> Spoken:
         speech = _Speech(interruptible)
         return await self._run_speech(speech, self._produce(chunks, speech, from_llm))
 

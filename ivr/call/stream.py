@@ -17,7 +17,7 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import EndpointConfig, Endpointer
-from ivr.audio.vad import WebRtcVad
+from ivr.audio.vad import SileroVad, WebRtcVad
 from ivr.call.player import AudioPlayer
 from ivr.call.session import CallEnd, CallSession
 from ivr.errors import ProtocolError
@@ -51,11 +51,15 @@ async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
         await _close(ws, POLICY_VIOLATION)
         return
     if start.call_sid != call_sid:
-        log.warning("stream.callsid_mismatch", token_call_sid=call_sid, start_call_sid=start.call_sid)
+        log.warning(
+            "stream.callsid_mismatch", token_call_sid=call_sid, start_call_sid=start.call_sid
+        )
         metrics.PROTOCOL_ERRORS.labels("callsid_mismatch").inc()
         await _close(ws, POLICY_VIOLATION)
         return
-    with structlog.contextvars.bound_contextvars(call_sid=start.call_sid, stream_sid=start.stream_sid):
+    with structlog.contextvars.bound_contextvars(
+        call_sid=start.call_sid, stream_sid=start.stream_sid
+    ):
         metrics.ACTIVE_CALLS.inc()
         outcome = _Outcome()
         try:
@@ -106,9 +110,16 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
         lead_seconds=gateway.settings.playout_lead_ms / 1000,
     )
     settings = gateway.settings
+    vad = (
+        SileroVad(threshold=settings.silero_threshold)
+        if settings.vad == "silero"
+        else WebRtcVad(settings.vad_mode)
+    )
     endpointer = Endpointer(
-        WebRtcVad(settings.vad_mode),
-        EndpointConfig(silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms),
+        vad,
+        EndpointConfig(
+            silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms
+        ),
     )
 
     def on_end(end: CallEnd) -> None:
@@ -227,4 +238,3 @@ async def _close(ws: WebSocket, code: int) -> None:
     if ws.application_state == WebSocketState.CONNECTED:
         with contextlib.suppress(Exception):
             await ws.close(code)
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +164,7 @@ def _parse_stop(msg: Mapping[str, Any]) -> Stop:
     return Stop(call_sid=str(stop.get("callSid", "")), sequence=_seq(msg))
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[Mapping[str, Any]], InboundMessage]] = {
     "connected": _parse_connected,
     "start": _parse_start,
     "media": _parse_media,
@@ -244,10 +244,9 @@ class SignatureChecker:
     def stream_url(self, path: str) -> str:
         return self._public_ws_base + path
 
-    def check_webhook(
-        self, path: str, query: str, form: Mapping[str, str], signature: str
-    ) -> bool:
-        return bool(self._validator.validate(self.webhook_url(path, query), dict(form), signature))
+    def check_webhook(self, path: str, query: str, form: Mapping[str, str], signature: str) -> bool:
+        url = self.webhook_url(path, query)
+        return bool(self._validator.validate(url, dict(form), signature))
 
     def check_stream(self, path: str, signature: str) -> bool:
         return bool(self._validator.validate(self.stream_url(path), {}, signature))

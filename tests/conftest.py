@@ -1,0 +1,63 @@
+"""Shared fixtures: a real gateway under uvicorn whose providers are a real local server
+speaking OpenAI's wire formats (``FakeOpenAIServer``), so the production HTTP clients run."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from ivr.config import Settings
+from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.server import RunningServer, build_gateway, running_server
+from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.openai_server import FakeOpenAIServer
+from ivr.tts.openai_http import OpenAIHttpTts
+
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+
+
+@pytest.fixture
+def fake_openai() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(api_key="sk-test") as server:
+        yield server
+
+
+def provider_settings(**overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "public_url": PUBLIC_URL,
+        "twilio_auth_token": AUTH_TOKEN,
+        "llm_api_key": "sk-test",
+        "redis_url": "",
+        "flows_dir": "flows",
+        "vad": "webrtc",
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def gateway_factory(fake_openai: FakeOpenAIServer) -> GatewayFactory:
+    """``async with gateway_factory(**settings) as server:`` runs a gateway on a free port."""
+
+    @asynccontextmanager
+    async def start(**overrides: Any) -> AsyncIterator[RunningServer]:
+        settings = provider_settings(**overrides)
+        base = fake_openai.base_url
+        gateway = build_gateway(
+            settings,
+            stt=OpenAIHttpStt(base_url=base, api_key="sk-test"),
+            tts=OpenAIHttpTts(base_url=base, api_key="sk-test"),
+            llm=OpenAICompatLlm(
+                base_url=base,
+                api_key="sk-test",
+                model="gemma-test",
+                first_token_timeout=overrides.get("llm_first_token_timeout", 3.0),
+            ),
+        )
+        async with running_server(gateway) as server:
+            yield server
+
+    return start

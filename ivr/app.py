@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ivr.call.stream import handle_stream
 from ivr.gateway import Gateway
 from ivr.obs import metrics
+from ivr.state.admin import admin_router
 from ivr.state.base import CallExists, CallRecord, CallStatus
 from ivr.telephony import twilio
 
@@ -81,6 +82,8 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
     @app.websocket("/twilio/stream/{token}")
     async def stream(ws: WebSocket, token: str) -> None:
         await handle_stream(ws, token, gateway)
+
+    app.include_router(admin_router(gateway.store, gateway.settings.admin_token or None))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

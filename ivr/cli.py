@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_plugin_commands(commands)
     args = parser.parse_args(args_list)
     try:
-        result: int = args.handler(args)
+        handler = getattr(args, "handler", None) or args.func
+        result: int = handler(args)
     except ValidationError as exc:
         print(f"ivr: invalid settings:\n{exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from ivr.call.io import CallIO
 from ivr.call.prompts import PromptCache
 from ivr.config import Settings
 from ivr.llm.base import LanguageModel
+from ivr.obs import metrics
 from ivr.providers import build_llm, build_stt, build_tts
 from ivr.state.base import CallRecord, CallStore
 from ivr.stt.base import SpeechToText
@@ -91,6 +92,7 @@ class Gateway:
                     detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
                     "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
                 )
+        metrics.watch_store(self.store)
         start_store = getattr(self.store, "start", None)
         if start_store is not None:
             await start_store()

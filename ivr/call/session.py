@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -73,7 +73,7 @@ class _Speech:
 class CallEnd:
     """How the call should leave the stream: consumed by the ``<Connect action>`` handler."""
 
-    action: str  # "hangup" | "transfer"
+    action: Literal["hangup", "transfer"]
     number: str = ""
 
 

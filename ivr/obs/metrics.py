@@ -55,3 +55,19 @@ INBOUND_DROPPED = Counter(
 )
 PROMPT_CACHE = Counter("ivr_prompt_cache_total", "Static prompt audio lookups.", ["result"])
 STORE_DEGRADED = Gauge("ivr_store_degraded", "1 while the call store (Redis) is unreachable.")
+STORE_PENDING = Gauge("ivr_store_pending_writes", "Call-state writes waiting for Redis to return.")
+STORE_RECONCILED = Gauge(
+    "ivr_store_reconciled_writes", "Call-state writes replayed to Redis after an outage (total)."
+)
+STORE_FAILURES = Gauge("ivr_store_failures", "Call-state store operations that failed (total).")
+
+
+def watch_store(store: object) -> None:
+    """Export a ResilientCallStore's statistics(); a plain store exports nothing."""
+    statistics = getattr(store, "statistics", None)
+    if statistics is None:
+        return
+    STORE_DEGRADED.set_function(lambda: float(statistics().degraded))
+    STORE_PENDING.set_function(lambda: float(statistics().pending))
+    STORE_RECONCILED.set_function(lambda: float(statistics().reconciled))
+    STORE_FAILURES.set_function(lambda: float(statistics().failures))

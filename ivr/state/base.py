@@ -1,0 +1,258 @@
+"""The call record every gateway instance shares, and the store protocol that keeps it.
+
+A call must survive the loss of the instance carrying its media stream, so everything needed to
+resume it (flow position, variables, what the caller has heard) lives in one ``CallRecord`` that
+any instance can load.
+
+    IvrError
+    └── StoreError
+        ├── StoreUnavailable   the backing store cannot be reached (retry later / degrade)
+        ├── CallExists         create() for a call_sid that is already stored
+        ├── CallNotFound       update()/end() for a call_sid that is not stored
+        ├── UpdateConflict     update() lost the compare-and-set race too many times
+        └── CorruptRecord      a stored value is not a valid CallRecord (names the key)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ivr.errors import IvrError
+
+DEFAULT_HISTORY_LIMIT = 50
+DEFAULT_TURNS_LIMIT = 100
+DEFAULT_ENDED_TTL = 86_400.0
+
+Mutator = Callable[["CallRecord"], None]
+
+
+class StoreError(IvrError):
+    """A call-state store operation failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached; the operation may or may not have been applied."""
+
+
+class CallExists(StoreError):
+    def __init__(self, call_sid: str) -> None:
+        super().__init__(f"call {call_sid!r} already exists")
+        self.call_sid = call_sid
+
+
+class CallNotFound(StoreError):
+    def __init__(self, call_sid: str) -> None:
+        super().__init__(f"call {call_sid!r} not found (never created, or expired)")
+        self.call_sid = call_sid
+
+
+class UpdateConflict(StoreError):
+    def __init__(self, call_sid: str, attempts: int) -> None:
+        super().__init__(f"call {call_sid!r}: update lost the version race {attempts} times")
+        self.call_sid = call_sid
+        self.attempts = attempts
+
+
+class CorruptRecord(StoreError):
+    def __init__(self, where: str, detail: str) -> None:
+        super().__init__(f"{where}: stored call record is invalid: {detail}")
+        self.where = where
+
+
+class CallStatus(enum.StrEnum):
+    RINGING = "ringing"
+    ACTIVE = "active"
+    RECONNECTING = "reconnecting"
+    TRANSFERRING = "transferring"
+    ENDED = "ended"
+
+
+class HistoryMessage(BaseModel):
+    """One message as HEARD by the caller (assistant text is cut at barge-in)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def mask(value: str, keep: int = 2) -> str:
+    """Mask every letter/digit except the last ``keep`` ones: '+14155550123' -> '+*********23'."""
+    alnum_seen = 0
+    out = []
+    for ch in reversed(value):
+        if ch.isalnum():
+            alnum_seen += 1
+            out.append(ch if alnum_seen <= keep else "*")
+        else:
+            out.append(ch)
+    return "".join(reversed(out))
+
+
+# Fields carrying personal data; redacted() masks every field marked this way.
+_PII: dict[str, Any] = {"pii": True}
+
+
+class CallRecord(BaseModel):
+    """Everything needed to resume a call on any instance. Plain JSON data only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call_sid: str = Field(min_length=1)
+    stream_sid: str | None = None
+    account_sid: str = ""
+    from_number: str = Field(default="", json_schema_extra=_PII)
+    to_number: str = Field(default="", json_schema_extra=_PII)
+    flow_name: str = ""
+    flow_version: str = ""  # content hash of the flow file the call started on
+    node: str | None = None
+    variables: dict[str, Any] = Field(default_factory=dict)
+    flow_state: dict[str, Any] = Field(default_factory=dict)  # opaque, owned by the flow engine
+    history: list[HistoryMessage] = Field(default_factory=list)
+    turns: list[dict[str, Any]] = Field(default_factory=list)
+    status: CallStatus = CallStatus.RINGING
+    created_at: datetime = Field(default_factory=_now)
+    updated_at: datetime = Field(default_factory=_now)
+    ended_at: datetime | None = None
+    version: int = 0  # set by the store: 1 after create, +1 on every write
+    instance_id: str | None = None
+    stream_count: int = 0
+    # How the flow decided to leave the stream; the <Connect action> handler turns it into TwiML
+    # on whichever instance Twilio asks. None while the call is live (a dropped stream resumes).
+    end_action: Literal["hangup", "transfer"] | None = None
+    transfer_to: str = Field(default="", json_schema_extra=_PII)
+    history_limit: int = Field(default=DEFAULT_HISTORY_LIMIT, ge=1)
+    turns_limit: int = Field(default=DEFAULT_TURNS_LIMIT, ge=1)
+
+    @model_validator(mode="after")
+    def _bounded_on_load(self) -> CallRecord:
+        self.enforce_bounds()
+        return self
+
+    @property
+    def is_ended(self) -> bool:
+        return self.ended_at is not None
+
+    @property
+    def resumed(self) -> bool:
+        return self.stream_count > 1
+
+    def add_message(self, role: str, content: str) -> None:
+        self.history.append(HistoryMessage.model_validate({"role": role, "content": content}))
+        self.enforce_bounds()
+
+    def add_turn(self, latencies: dict[str, Any]) -> None:
+        self.turns.append(dict(latencies))
+        self.enforce_bounds()
+
+    def enforce_bounds(self) -> None:
+        """Keep only the newest messages/turns; stores call this before every write."""
+        if len(self.history) > self.history_limit:
+            del self.history[: len(self.history) - self.history_limit]
+        if len(self.turns) > self.turns_limit:
+            del self.turns[: len(self.turns) - self.turns_limit]
+
+    def redacted(self) -> CallRecord:
+        """A copy safe for listings and logs: personal-data fields masked."""
+        masked = {
+            name: mask(getattr(self, name))
+            for name, field in type(self).model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("pii")
+        }
+        return self.model_copy(update=masked, deep=True)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes, where: str) -> CallRecord:
+        try:
+            return cls.model_validate_json(raw)
+        except ValueError as exc:
+            raise CorruptRecord(where, str(exc).replace("\n", "; ")[:500]) from exc
+
+
+def clone(record: CallRecord) -> CallRecord:
+    """A deep copy; a JSON round trip is about 3x faster than ``model_copy(deep=True)``."""
+    return CallRecord.model_validate_json(record.model_dump_json(warnings=False))
+
+
+def apply_mutation(
+    current: CallRecord, mutate: Mutator, *, owned: bool = False
+) -> tuple[CallRecord, str]:
+    """Run ``mutate`` on a copy and stamp the store-owned fields; returns the new record and
+    its JSON. ``current`` is untouched unless ``owned`` (the caller just loaded it and will
+    discard it), which skips the copy."""
+    sid, version = current.call_sid, current.version
+    draft = current if owned else clone(current)
+    mutate(draft)
+    if draft.call_sid != sid:
+        raise ValueError(f"update of {sid!r} tried to change call_sid")
+    draft.version = version + 1
+    draft.updated_at = _now()
+    draft.enforce_bounds()
+    # Validate what the mutator wrote (bad types, non-JSON values) before anything is stored;
+    # plain dicts appended to ``history`` are accepted here and become HistoryMessage.
+    raw = draft.model_dump_json(warnings=False)
+    return CallRecord.model_validate_json(raw), raw
+
+
+def prepare_new(record: CallRecord) -> tuple[CallRecord, str]:
+    """The record as ``create`` stores it: version 1, fresh timestamps, validated JSON."""
+    draft = clone(record)
+    draft.version = 1
+    draft.updated_at = _now()
+    draft.enforce_bounds()
+    raw = draft.model_dump_json(warnings=False)
+    return CallRecord.model_validate_json(raw), raw
+
+
+def ending(status: CallStatus) -> Mutator:
+    def mark(record: CallRecord) -> None:
+        record.status = status
+        if record.ended_at is None:
+            record.ended_at = _now()
+
+    return mark
+
+
+@runtime_checkable
+class CallStore(Protocol):
+    """Where call records live. Every method may raise ``StoreUnavailable``."""
+
+    async def create(self, record: CallRecord) -> CallRecord:
+        """Store a new call (version 1). Raises ``CallExists`` if the sid is taken."""
+        ...
+
+    async def get(self, call_sid: str) -> CallRecord | None: ...
+
+    async def update(self, call_sid: str, mutate: Mutator) -> CallRecord:
+        """Atomic read-modify-write. ``mutate`` edits the record in place and may run more
+        than once (it is re-run on a version conflict), so it must depend only on its input."""
+        ...
+
+    async def end(self, call_sid: str, status: CallStatus = CallStatus.ENDED) -> None:
+        """Mark the call finished: sets ``ended_at``, drops it from the active list, expires it
+        after ``ended_ttl`` seconds."""
+        ...
+
+    async def list_active(self, limit: int = 100) -> list[CallRecord]:
+        """Calls not ended, most recently updated first."""
+        ...
+
+    async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...
+
+    async def check_stream_token(self, token: str) -> str | None:
+        """The call_sid the token was minted for, or None if unknown or expired."""
+        ...
+
+    async def ping(self) -> bool: ...
+
+    async def aclose(self) -> None: ...

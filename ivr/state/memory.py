@@ -1,0 +1,103 @@
+"""In-process call store: the default when no Redis URL is configured (single instance only).
+
+Records are kept as JSON so the semantics match Redis exactly: what a caller gets back is a fresh
+object, and a value that cannot round-trip through JSON fails here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ivr.state.base import (
+    DEFAULT_ENDED_TTL,
+    CallExists,
+    CallNotFound,
+    CallRecord,
+    CallStatus,
+    Mutator,
+    apply_mutation,
+    ending,
+    prepare_new,
+)
+
+_TOKEN_SWEEP_AT = 1024
+
+
+class MemoryCallStore:
+    def __init__(self, *, ended_ttl: float = DEFAULT_ENDED_TTL) -> None:
+        self.ended_ttl = ended_ttl
+        self._calls: dict[str, str] = {}
+        self._expires: dict[str, float] = {}  # call_sid -> monotonic deadline (ended calls)
+        self._tokens: dict[str, tuple[str, float]] = {}
+        self._lock = asyncio.Lock()
+
+    def _load(self, call_sid: str) -> CallRecord | None:
+        deadline = self._expires.get(call_sid)
+        if deadline is not None and time.monotonic() >= deadline:
+            self._calls.pop(call_sid, None)
+            self._expires.pop(call_sid, None)
+        raw = self._calls.get(call_sid)
+        return None if raw is None else CallRecord.from_json(raw, f"memory:{call_sid}")
+
+    async def create(self, record: CallRecord) -> CallRecord:
+        async with self._lock:
+            if self._load(record.call_sid) is not None:
+                raise CallExists(record.call_sid)
+            stored, raw = prepare_new(record)
+            self._calls[record.call_sid] = raw
+            self._expires.pop(record.call_sid, None)
+            self._set_expiry(stored)
+            return stored
+
+    async def get(self, call_sid: str) -> CallRecord | None:
+        async with self._lock:
+            return self._load(call_sid)
+
+    async def update(self, call_sid: str, mutate: Mutator) -> CallRecord:
+        async with self._lock:
+            current = self._load(call_sid)
+            if current is None:
+                raise CallNotFound(call_sid)
+            stored, raw = apply_mutation(current, mutate, owned=True)
+            self._calls[call_sid] = raw
+            self._set_expiry(stored)
+            return stored
+
+    def _set_expiry(self, record: CallRecord) -> None:
+        # Measured from ended_at, so re-writing an ended call does not extend its life.
+        if record.ended_at is None or record.call_sid in self._expires:
+            return
+        elapsed = (record.updated_at - record.ended_at).total_seconds()
+        self._expires[record.call_sid] = time.monotonic() + max(0.0, self.ended_ttl - elapsed)
+
+    async def end(self, call_sid: str, status: CallStatus = CallStatus.ENDED) -> None:
+        await self.update(call_sid, ending(status))
+
+    async def list_active(self, limit: int = 100) -> list[CallRecord]:
+        async with self._lock:
+            records = [self._load(sid) for sid in list(self._calls)]
+        active = [r for r in records if r is not None and r.ended_at is None]
+        active.sort(key=lambda r: r.updated_at, reverse=True)
+        return active[:limit]
+
+    async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
+        now = time.monotonic()
+        if len(self._tokens) >= _TOKEN_SWEEP_AT:  # unchecked tokens would otherwise pile up
+            self._tokens = {t: e for t, e in self._tokens.items() if e[1] > now}
+        self._tokens[token] = (call_sid, now + ttl)
+
+    async def check_stream_token(self, token: str) -> str | None:
+        entry = self._tokens.get(token)
+        if entry is None:
+            return None
+        if time.monotonic() >= entry[1]:
+            del self._tokens[token]
+            return None
+        return entry[0]
+
+    async def ping(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,241 @@
+"""Every CallStore behaves the same: run against MemoryCallStore and RedisCallStore (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+
+from ivr.state.base import (
+    CallExists,
+    CallNotFound,
+    CallRecord,
+    CallStatus,
+    CallStore,
+    mask,
+)
+from ivr.state.memory import MemoryCallStore
+from ivr.state.redis_store import RedisCallStore
+from ivr.state.resilient import ResilientCallStore
+
+StoreFactory = Callable[..., CallStore]
+
+
+@pytest.fixture(params=["memory", "redis", "resilient-redis"])
+async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[StoreFactory]:
+    prefix = unique_prefix()
+    made: list[CallStore] = []
+
+    def make(**kwargs: Any) -> CallStore:
+        store: CallStore
+        if request.param == "memory":
+            store = MemoryCallStore(**kwargs)
+        elif request.param == "redis":
+            store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix, **kwargs)
+        else:  # the gateway's store while Redis is healthy must keep the same contract
+            store = ResilientCallStore(RedisCallStore(LOCAL_REDIS_URL, prefix=prefix, **kwargs))
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.aclose()
+    await delete_prefix(LOCAL_REDIS_URL, prefix)
+
+
+@pytest.fixture
+def store(make_store: StoreFactory) -> CallStore:
+    return make_store()
+
+
+def a_call(sid: str = "CA0001", **fields: Any) -> CallRecord:
+    base: dict[str, Any] = {
+        "call_sid": sid,
+        "account_sid": "AC1",
+        "from_number": "+14155550123",
+        "to_number": "+14155550999",
+        "flow_name": "support",
+        "flow_version": "abc123",
+        "status": CallStatus.ACTIVE,
+    }
+    return CallRecord(**(base | fields))
+
+
+def incr(name: str) -> Callable[[CallRecord], None]:
+    def mutate(record: CallRecord) -> None:
+        record.variables[name] = record.variables.get(name, 0) + 1
+
+    return mutate
+
+
+async def test_a_created_call_reads_back_equal_at_version_1(store: CallStore) -> None:
+    created = await store.create(a_call(node="greet", variables={"lang": "en"}))
+    got = await store.get("CA0001")
+    assert created.version == 1
+    assert got == created
+    assert got is not None and got.variables == {"lang": "en"} and got.node == "greet"
+
+
+async def test_a_missing_call_reads_as_none(store: CallStore) -> None:
+    assert await store.get("CA-nope") is None
+
+
+async def test_creating_an_existing_call_fails_and_keeps_the_first(store: CallStore) -> None:
+    await store.create(a_call(node="first"))
+    with pytest.raises(CallExists, match="CA0001"):
+        await store.create(a_call(node="second"))
+    got = await store.get("CA0001")
+    assert got is not None and got.node == "first"
+
+
+async def test_update_applies_the_mutation_and_bumps_version(store: CallStore) -> None:
+    created = await store.create(a_call())
+
+    def move(r: CallRecord) -> None:
+        r.node = "menu"
+        r.flow_state["visits"] = [1, 2]
+
+    updated = await store.update("CA0001", move)
+    got = await store.get("CA0001")
+    assert updated.version == 2 and updated.updated_at >= created.updated_at
+    assert got == updated and got.node == "menu" and got.flow_state == {"visits": [1, 2]}
+
+
+async def test_an_update_that_raises_writes_nothing(store: CallStore) -> None:
+    await store.create(a_call())
+
+    def broken(r: CallRecord) -> None:
+        r.node = "half-done"
+        raise RuntimeError("flow bug")
+
+    with pytest.raises(RuntimeError, match="flow bug"):
+        await store.update("CA0001", broken)
+    got = await store.get("CA0001")
+    assert got is not None and got.node is None and got.version == 1
+
+
+async def test_updating_a_missing_call_raises_call_not_found(store: CallStore) -> None:
+    with pytest.raises(CallNotFound, match="CA-gone"):
+        await store.update("CA-gone", incr("n"))
+
+
+async def test_an_update_may_not_change_the_call_sid(store: CallStore) -> None:
+    await store.create(a_call())
+
+    def hijack(r: CallRecord) -> None:
+        r.call_sid = "CA-other"
+
+    with pytest.raises(ValueError, match="call_sid"):
+        await store.update("CA0001", hijack)
+    assert await store.get("CA-other") is None
+
+
+async def test_a_value_that_is_not_json_is_rejected_before_writing(store: CallStore) -> None:
+    await store.create(a_call())
+
+    def bad(r: CallRecord) -> None:
+        r.variables["socket"] = object()
+
+    with pytest.raises(ValueError):
+        await store.update("CA0001", bad)
+    got = await store.get("CA0001")
+    assert got is not None and got.variables == {} and got.version == 1
+
+
+async def test_history_and_turns_keep_only_the_newest_entries(store: CallStore) -> None:
+    await store.create(a_call(history_limit=3, turns_limit=2))
+    for i in range(5):
+
+        def turn(r: CallRecord, i: int = i) -> None:
+            r.history.append({"role": "user", "content": f"u{i}"})  # type: ignore[arg-type]
+            r.add_message("assistant", f"a{i}")
+            r.add_turn({"turn": i, "e2e_ms": 500 + i})
+
+        await store.update("CA0001", turn)
+    got = await store.get("CA0001")
+    assert got is not None
+    assert [m.content for m in got.history] == ["a3", "u4", "a4"]
+    assert [t["turn"] for t in got.turns] == [3, 4]
+
+
+async def test_end_stamps_the_call_and_removes_it_from_the_active_list(
+    store: CallStore,
+) -> None:
+    await store.create(a_call("CA-a"))
+    await store.create(a_call("CA-b"))
+    await store.end("CA-a")
+    ended = await store.get("CA-a")
+    active = await store.list_active(10)
+    assert ended is not None and ended.status is CallStatus.ENDED and ended.ended_at is not None
+    assert [r.call_sid for r in active] == ["CA-b"]
+
+
+async def test_an_ended_call_expires_after_the_ended_ttl(make_store: StoreFactory) -> None:
+    store = make_store(ended_ttl=0.3)
+    await store.create(a_call())
+    await store.end("CA0001", CallStatus.TRANSFERRING)
+    got = await store.get("CA0001")
+    assert got is not None and got.status is CallStatus.TRANSFERRING
+    await asyncio.sleep(0.45)
+    assert await store.get("CA0001") is None
+
+
+async def test_a_live_call_does_not_expire_on_the_ended_ttl(make_store: StoreFactory) -> None:
+    store = make_store(ended_ttl=0.1)
+    await store.create(a_call())
+    await asyncio.sleep(0.25)
+    assert await store.get("CA0001") is not None
+
+
+async def test_list_active_is_most_recent_first_and_honours_limit(store: CallStore) -> None:
+    for sid in ("CA-1", "CA-2", "CA-3"):
+        await store.create(a_call(sid))
+        await asyncio.sleep(0.002)
+    await store.update("CA-1", incr("n"))
+    assert [r.call_sid for r in await store.list_active(10)] == ["CA-1", "CA-3", "CA-2"]
+    assert [r.call_sid for r in await store.list_active(2)] == ["CA-1", "CA-3"]
+
+
+async def test_a_stream_token_maps_to_its_call_until_it_expires(store: CallStore) -> None:
+    await store.put_stream_token("CA0001", "tok-abc", ttl=0.3)
+    assert await store.check_stream_token("tok-abc") == "CA0001"
+    assert await store.check_stream_token("tok-other") is None
+    await asyncio.sleep(0.45)
+    assert await store.check_stream_token("tok-abc") is None
+
+
+async def test_concurrent_updates_in_one_process_are_all_kept(store: CallStore) -> None:
+    await store.create(a_call())
+    await asyncio.gather(*(store.update("CA0001", incr("n")) for _ in range(40)))
+    got = await store.get("CA0001")
+    assert got is not None and got.variables["n"] == 40 and got.version == 41
+
+
+async def test_a_returned_record_is_a_copy_not_the_stored_state(store: CallStore) -> None:
+    created = await store.create(a_call())
+    created.variables["leak"] = True
+    got = await store.get("CA0001")
+    assert got is not None and "leak" not in got.variables
+
+
+async def test_ping_answers_true_when_the_store_is_up(store: CallStore) -> None:
+    assert await store.ping() is True
+
+
+def test_redacted_masks_phone_numbers_but_the_last_two_digits() -> None:
+    shown = a_call().redacted()
+    assert shown.from_number == "+*********23"
+    assert shown.to_number == "+*********99"
+    assert a_call().from_number == "+14155550123"  # the original is untouched
+    assert mask("client:alice") == "******:***ce"
+
+
+def test_a_record_loaded_from_json_keeps_its_bounds_and_rejects_unknown_fields() -> None:
+    raw = a_call(history_limit=2).model_dump(mode="json")
+    raw["history"] = [{"role": "user", "content": str(i)} for i in range(4)]
+    assert [m.content for m in CallRecord.model_validate(raw).history] == ["2", "3"]
+    with pytest.raises(ValueError, match="colour"):
+        CallRecord.model_validate(raw | {"colour": "red"})

@@ -1,0 +1,200 @@
+"""ResilientCallStore over a private redis-server that we stop and restart mid-call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis_server import RedisServer
+from structlog.testing import capture_logs
+
+from ivr.state.base import CallRecord, CallStatus, StoreUnavailable
+from ivr.state.redis_store import RedisCallStore
+from ivr.state.resilient import ResilientCallStore
+
+CONTENT = {"exclude": {"version", "updated_at"}}
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    s = RedisServer()
+    s.start()
+    yield s
+    s.close()
+
+
+def resilient(server: RedisServer, **kwargs: Any) -> ResilientCallStore:
+    primary = RedisCallStore(server.url, prefix="ivr:", socket_timeout=1.0, pool_timeout=1.0)
+    options: dict[str, Any] = {"min_backoff": 0.02, "max_backoff": 0.2} | kwargs
+    return ResilientCallStore(primary, instance_id="gw-1", **options)
+
+
+@pytest.fixture
+async def store(server: RedisServer) -> AsyncIterator[ResilientCallStore]:
+    s = resilient(server)
+    await s.start()
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+async def direct(server: RedisServer) -> AsyncIterator[RedisCallStore]:
+    """Another view of the same Redis, as a second gateway instance would have."""
+    s = RedisCallStore(server.url, prefix="ivr:", socket_timeout=1.0)
+    yield s
+    await s.aclose()
+
+
+def a_call(sid: str) -> CallRecord:
+    return CallRecord(
+        call_sid=sid, from_number="+14155550123", status=CallStatus.ACTIVE, instance_id="gw-1"
+    )
+
+
+def turn(i: int) -> Any:
+    def mutate(r: CallRecord) -> None:
+        r.variables["turns"] = r.variables.get("turns", 0) + 1
+        r.node = f"node-{i}"
+        r.add_message("user", f"said {i}")
+
+    return mutate
+
+
+async def until(condition: Any, within: float = 10.0) -> None:
+    """Poll (the reconciler runs in the background) until ``condition()`` holds."""
+    for _ in range(int(within / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not true within {within} s: {condition}")
+
+
+async def test_a_call_survives_a_redis_outage_and_is_written_back(
+    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+) -> None:
+    await store.create(a_call("CA-live"))
+    for i in range(3):
+        await store.update("CA-live", turn(i))
+    with capture_logs() as logs:
+        server.stop()
+        latest = None
+        for i in range(3, 23):
+            latest = await store.update("CA-live", turn(i))  # no exception reaches the call
+        assert store.degraded is True
+        newcomer = await store.create(a_call("CA-new"))  # new calls are still answered
+        await store.update("CA-new", turn(0))
+        await store.put_stream_token("CA-new", "tok-new", ttl=60)
+        assert await store.check_stream_token("tok-new") == "CA-new"
+        during = await store.get("CA-live")
+        active = {r.call_sid for r in await store.list_active(10)}
+        server.start()  # empty: no persistence, like a replacement Redis
+        await until(lambda: not store.degraded)
+    assert during == latest
+    assert active == {"CA-live", "CA-new"} and newcomer.version == 1
+    assert latest is not None and latest.variables["turns"] == 23
+    in_redis = await direct.get("CA-live")
+    assert in_redis is not None
+    assert in_redis.model_dump(**CONTENT) == latest.model_dump(**CONTENT)
+    assert in_redis == await store.get("CA-live")
+    new_in_redis = await direct.get("CA-new")
+    assert new_in_redis is not None and new_in_redis.node == "node-0"
+    assert await direct.check_stream_token("tok-new") == "CA-new"
+    stats = store.statistics()
+    assert stats.writes_queued >= 22 and stats.reconciled == 2 and stats.pending == 0
+    assert stats.failures >= 1 and stats.dropped == 0
+    events = [e["event"] for e in logs]
+    assert events.index("call_store_degraded") < events.index("call_store_recovered")
+
+
+async def test_a_call_ended_during_the_outage_ends_in_redis_with_its_ttl(
+    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+) -> None:
+    await store.create(a_call("CA-end"))
+    server.stop()
+    await store.update("CA-end", turn(1))
+    await store.end("CA-end")
+    server.start()
+    await until(lambda: not store.degraded)
+    ended = await direct.get("CA-end")
+    assert ended is not None and ended.status is CallStatus.ENDED and ended.node == "node-1"
+    assert await direct.list_active(10) == []
+    client = aioredis.Redis.from_url(server.url)
+    ttl = await client.pttl("ivr:call:CA-end")
+    await client.aclose()
+    assert 86_000_000 < ttl <= 86_400_000
+
+
+async def test_our_latest_record_wins_and_the_conflict_is_counted(
+    server: RedisServer, direct: RedisCallStore
+) -> None:
+    store = resilient(server)  # reconciler not started yet, so the race is deterministic
+    try:
+        await store.create(a_call("CA-x"))
+        await store.update("CA-x", turn(1))
+        server.stop()
+        ours = await store.update("CA-x", turn(2))
+        server.start()
+        await direct.create(a_call("CA-x"))  # another instance wrote meanwhile
+        await direct.update("CA-x", lambda r: setattr(r, "node", "theirs"))
+        await store.start()
+        await until(lambda: not store.degraded)
+        in_redis = await direct.get("CA-x")
+    finally:
+        await store.aclose()
+    assert in_redis is not None and in_redis.node == "node-2" == ours.node
+    assert store.conflicts == 1
+
+
+async def test_a_redis_that_restarted_empty_between_writes_gets_the_call_back(
+    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+) -> None:
+    await store.create(a_call("CA-r"))
+    server.stop()
+    server.start()  # restarted before we noticed: nothing failed, the record is just gone
+    after = await store.update("CA-r", turn(7))
+    assert after.node == "node-7"
+    await until(lambda: store.statistics().pending == 0)
+    in_redis = await direct.get("CA-r")
+    assert in_redis is not None and in_redis.model_dump(**CONTENT) == after.model_dump(**CONTENT)
+
+
+async def test_the_write_queue_is_bounded_and_counts_what_it_drops(
+    server: RedisServer,
+) -> None:
+    store = resilient(server, max_pending=2)
+    try:
+        server.stop()
+        for sid in ("CA-1", "CA-2", "CA-3"):
+            await store.create(a_call(sid))
+        stats = store.statistics()
+    finally:
+        server.start()
+        await store.aclose()
+    assert stats.pending == 2 and stats.dropped == 1 and stats.degraded
+
+
+async def test_an_unknown_call_while_redis_is_down_is_store_unavailable(
+    server: RedisServer, store: ResilientCallStore
+) -> None:
+    server.stop()
+    with pytest.raises(StoreUnavailable):
+        await store.get("CA-elsewhere")
+    with pytest.raises(StoreUnavailable, match="not carried"):
+        await store.update("CA-elsewhere", turn(1))
+    server.start()
+
+
+async def test_closing_with_redis_down_gives_up_after_the_close_timeout(
+    server: RedisServer,
+) -> None:
+    store = resilient(server, close_timeout=0.5)
+    await store.start()
+    await store.create(a_call("CA-c"))
+    server.stop()
+    await store.update("CA-c", turn(1))
+    async with asyncio.timeout(5):
+        await store.aclose()
+    assert store.statistics().dropped == 1

@@ -1,0 +1,283 @@
+"""RedisCallStore against the real Redis at 127.0.0.1:6379, plus the admin API and CLI on top."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import FastAPI
+from redis_server import LOCAL_REDIS_URL, delete_prefix, free_port, unique_prefix
+
+from ivr.state.admin import admin_router
+from ivr.state.base import CallRecord, CorruptRecord, StoreUnavailable, apply_mutation
+from ivr.state.cli import add_commands
+from ivr.state.redis_store import RedisCallStore
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    value = unique_prefix()
+    yield value
+    await delete_prefix(LOCAL_REDIS_URL, value)
+
+
+@pytest.fixture
+async def store(prefix: str) -> AsyncIterator[RedisCallStore]:
+    s = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix, ended_ttl=3600, active_ttl=7200)
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(LOCAL_REDIS_URL)
+    yield client
+    await client.aclose()
+
+
+def a_call(sid: str = "CA0001") -> CallRecord:
+    return CallRecord(
+        call_sid=sid, from_number="+14155550123", to_number="+14155550999", flow_name="support"
+    )
+
+
+def bump(record: CallRecord) -> None:
+    record.variables["n"] = record.variables.get("n", 0) + 1
+
+
+async def test_every_key_lives_under_the_configured_prefix(
+    store: RedisCallStore, prefix: str, raw: aioredis.Redis
+) -> None:
+    await store.create(a_call())
+    await store.put_stream_token("CA0001", "tok1", ttl=60)
+    keys = {k.decode() async for k in raw.scan_iter(match=f"{prefix}*")}
+    assert keys == {f"{prefix}call:CA0001", f"{prefix}active", f"{prefix}token:tok1"}
+    stored = json.loads(await raw.get(f"{prefix}call:CA0001"))
+    assert stored["call_sid"] == "CA0001" and stored["version"] == 1
+
+
+async def test_a_live_call_has_the_active_ttl_and_an_ended_one_the_ended_ttl(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    key = store.call_key("CA0001")
+    await store.create(a_call())
+    live_ttl = await raw.pttl(key)
+    await store.end("CA0001")
+    ended_ttl = await raw.pttl(key)
+    assert 7_190_000 < live_ttl <= 7_200_000
+    assert 3_590_000 < ended_ttl <= 3_600_000
+    assert await raw.zscore(f"{store.prefix}active", "CA0001") is None
+    await asyncio.sleep(0.2)
+    await store.update("CA0001", bump)  # a late write must not give the call a new lease
+    assert await raw.pttl(key) <= ended_ttl - 150
+
+
+def _increment_many(prefix: str, times: int) -> None:
+    async def run() -> None:
+        store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix, max_connections=4)
+        try:
+            for _ in range(times):
+                await store.update("CA-race", bump)
+        finally:
+            await store.aclose()
+
+    asyncio.run(run())
+
+
+async def test_two_processes_updating_one_call_lose_no_update(
+    store: RedisCallStore, prefix: str
+) -> None:
+    await store.create(a_call("CA-race"))
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_increment_many, args=(prefix, 200)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        await asyncio.to_thread(w.join, 60)
+        assert w.exitcode == 0
+    final = await store.get("CA-race")
+    assert final is not None
+    assert final.variables["n"] == 400 and final.version == 401
+
+
+async def test_an_unreachable_redis_raises_store_unavailable_quickly() -> None:
+    store = RedisCallStore(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="redis get CA0001"):
+        await store.get("CA0001")
+    assert time.monotonic() - started < 1.0
+    assert await store.ping() is False
+    await store.aclose()
+
+
+async def test_a_corrupt_stored_value_names_its_key(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    await raw.set(store.call_key("CA-bad"), b'{"call_sid": "CA-bad", "version": "x"')
+    with pytest.raises(CorruptRecord, match=f"{store.prefix}call:CA-bad"):
+        await store.get("CA-bad")
+
+
+async def test_a_small_blocking_pool_serves_many_concurrent_calls(prefix: str) -> None:
+    store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix, max_connections=2)
+    try:
+        sids = [f"CA-{i}" for i in range(60)]
+        await asyncio.gather(*(store.create(a_call(s)) for s in sids))
+        await asyncio.gather(*(store.update(s, bump) for s in sids))
+        records = await asyncio.gather(*(store.get(s) for s in sids))
+    finally:
+        await store.aclose()
+    assert [r.variables["n"] if r else None for r in records] == [1] * 60
+
+
+async def test_updates_still_work_after_redis_forgets_its_scripts(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    await store.create(a_call())
+    await raw.script_flush()  # what a Redis restart does to EVALSHA
+    updated = await store.update("CA0001", bump)
+    assert updated.variables == {"n": 1} and updated.version == 2
+
+
+async def test_a_write_retried_after_a_lost_reply_is_not_applied_twice(
+    store: RedisCallStore,
+) -> None:
+    current = await store.create(a_call())
+    new, raw_json = apply_mutation(current, bump)
+    assert await store._compare_and_set(current.version, new, raw_json) == 1
+    assert await store._compare_and_set(current.version, new, raw_json) == 2
+    stale, stale_json = apply_mutation(current, bump)
+    assert await store._compare_and_set(current.version, stale, stale_json) == 0
+    got = await store.get("CA0001")
+    assert got == new
+
+
+# -- admin API over a real uvicorn server ------------------------------------------------
+
+
+async def _serve(app: FastAPI) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def admin_url(store: RedisCallStore) -> AsyncIterator[str]:
+    app = FastAPI()
+    app.include_router(admin_router(store, token="s3cret"))
+    server, task, url = await _serve(app)
+    yield url
+    server.should_exit = True
+    await task
+
+
+async def test_admin_lists_active_calls_with_numbers_redacted(
+    store: RedisCallStore, admin_url: str
+) -> None:
+    await store.create(a_call("CA-1"))
+    await store.create(a_call("CA-2"))
+    await store.end("CA-2")
+    async with httpx.AsyncClient(base_url=admin_url) as client:
+        resp = await client.get("/admin/calls", headers={"Authorization": "Bearer s3cret"})
+    assert resp.status_code == 200
+    calls = resp.json()["calls"]
+    assert [c["call_sid"] for c in calls] == ["CA-1"]
+    assert calls[0]["from_number"] == "+*********23" and "4155550" not in resp.text
+
+
+async def test_admin_shows_one_call_and_404s_an_unknown_one(
+    store: RedisCallStore, admin_url: str
+) -> None:
+    await store.create(a_call("CA-1"))
+    auth = {"Authorization": "Bearer s3cret"}
+    async with httpx.AsyncClient(base_url=admin_url, headers=auth) as client:
+        one = await client.get("/admin/calls/CA-1")
+        missing = await client.get("/admin/calls/CA-nope")
+    assert one.status_code == 200
+    assert one.json()["call_sid"] == "CA-1" and one.json()["to_number"] == "+*********99"
+    assert missing.status_code == 404
+
+
+async def test_admin_refuses_a_wrong_or_missing_token(admin_url: str) -> None:
+    async with httpx.AsyncClient(base_url=admin_url) as client:
+        wrong = await client.get("/admin/calls", headers={"Authorization": "Bearer nope"})
+        missing = await client.get("/admin/calls/CA-1")
+    assert wrong.status_code == 403 and missing.status_code == 403
+
+
+async def test_admin_without_a_token_is_disabled(store: RedisCallStore) -> None:
+    app = FastAPI()
+    app.include_router(admin_router(store, token=None))
+    server, task, url = await _serve(app)
+    try:
+        async with httpx.AsyncClient(base_url=url) as client:
+            resp = await client.get("/admin/calls", headers={"Authorization": "Bearer x"})
+    finally:
+        server.should_exit = True
+        await task
+    assert resp.status_code == 404
+
+
+# -- CLI -----------------------------------------------------------------------------------
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="ivr")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return int(args.func(args))
+
+
+def _seed(prefix: str) -> None:
+    async def run() -> None:
+        store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix)
+        await store.create(a_call("CA-cli"))
+        await store.update("CA-cli", lambda r: setattr(r, "node", "menu"))
+        await store.aclose()
+
+    asyncio.run(run())
+
+
+def test_cli_lists_and_shows_calls_as_json_and_table(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _seed(prefix)
+    common = ("--redis-url", LOCAL_REDIS_URL, "--redis-prefix", prefix)
+    assert _cli("calls", "list", *common, "--json") == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["call_sid"] for c in listed] == ["CA-cli"]
+    assert listed[0]["from_number"] == "+*********23"
+    assert _cli("calls", "list", *common) == 0
+    table = capsys.readouterr().out
+    assert "CA-cli" in table and "menu" in table and "(1 active)" in table
+    assert _cli("calls", "show", "CA-cli", *common, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 2
+    assert _cli("calls", "show", "CA-nope", *common) == 1
+    assert "not found" in capsys.readouterr().err
+
+
+def test_cli_without_a_redis_url_says_how_to_give_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("IVR_REDIS_URL", raising=False)
+    assert _cli("calls", "list") == 2
+    assert "IVR_REDIS_URL" in capsys.readouterr().err
+
+
+def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert _cli("calls", "list", "--redis-url", url) == 1
+    assert "ConnectionError" in capsys.readouterr().err

@@ -58,7 +58,11 @@ def test_media_payload_is_decoded_from_base64() -> None:
 
 
 def test_dtmf_mark_and_stop_are_parsed() -> None:
-    dtmf = {"event": "dtmf", "sequenceNumber": "5", "dtmf": {"track": "inbound_track", "digit": "#"}}
+    dtmf = {
+        "event": "dtmf",
+        "sequenceNumber": "5",
+        "dtmf": {"track": "inbound_track", "digit": "#"},
+    }
     assert twilio.parse_message(json.dumps(dtmf)) == Dtmf("#", 5)
     mark = {"event": "mark", "sequenceNumber": "6", "mark": {"name": "g1:2"}}
     assert twilio.parse_message(json.dumps(mark)) == Mark("g1:2", 6)
@@ -152,8 +156,12 @@ def test_twilio_published_signature_vector_validates() -> None:
         "From": "+14158675309",
         "To": "+18005551212",
     }
-    assert checker.check_webhook("/myapp.php", "foo=1&bar=2", params, "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
-    assert not checker.check_webhook("/myapp.php", "foo=1&bar=3", params, "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
+    assert checker.check_webhook(
+        "/myapp.php", "foo=1&bar=2", params, "RSOYDt4T1cUTdK1PDd93/VVr8B8="
+    )
+    assert not checker.check_webhook(
+        "/myapp.php", "foo=1&bar=3", params, "RSOYDt4T1cUTdK1PDd93/VVr8B8="
+    )
 
 
 def test_stream_signature_is_over_the_wss_url_not_https() -> None:

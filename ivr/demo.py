@@ -17,6 +17,7 @@ from ivr.config import Settings
 from ivr.obs.logging import configure_logging
 from ivr.server import build_gateway, free_port, running_server
 from ivr.sim.caller import CallReport, place_call
+from ivr.sim.script import script_from_strings
 
 DEFAULT_LINES = (
     "Hi, what are your opening hours?",
@@ -32,7 +33,9 @@ async def run_demo(
     port = free_port()
     token = secrets.token_hex(16)
     overrides: dict[str, object] = {
-        "public_url": f"http://127.0.0.1:{port}",
+        # Twilio only dials wss:// URLs; the simulated caller maps this public name to the
+        # local port, and every signature is computed over it, exactly as in production.
+        "public_url": "https://ivr-demo.example",
         "port": port,
         "twilio_auth_token": token,
     }
@@ -54,16 +57,20 @@ async def run_demo(
             audio = resample(pcm16_16k, 16000, gateway.stt.sample_rate)
             return (await gateway.stt.transcribe(audio)).text.strip()
 
-        steps = list(lines or DEFAULT_LINES)
+        # A slow offline LLM may pause between sentences: wait longer before talking.
+        script = script_from_strings(list(lines or DEFAULT_LINES), turn_gap=1.5, max_wait=30)
         report = await place_call(
             server.base_url,
-            script=steps,
+            script=script,
             auth_token=token,
             public_base_url=settings.public_url,
             record_path=record,
             transcriber=transcribe,
         )
+        stored = await gateway.store.get(report.call_sid)
     _print_report(report, record)
+    if stored is not None and stored.turns:
+        _print_breakdown(stored.turns)
     return 1 if report.errors or report.violations else 0
 
 
@@ -80,3 +87,17 @@ def _print_report(report: CallReport, record: str | None) -> None:
         print(f"bot audio saved to {record}")
     if report.errors:
         print("errors: " + "; ".join(report.errors), file=sys.stderr)
+
+
+STAGES = ("endpoint_silence", "stt", "llm_ttft", "llm_first_clause", "tts_ttfb", "gateway", "total")
+
+
+def _print_breakdown(turns: Sequence[dict[str, float]]) -> None:
+    """The gateway's own view of each turn: where the time went, in milliseconds."""
+    print("\nper-turn breakdown at the gateway (ms; total = end of speech -> first audio sent):")
+    print("  turn  " + "  ".join(f"{stage:>16}" for stage in STAGES))
+    for number, turn in enumerate(turns, 1):
+        cells = [
+            f"{turn[stage] * 1000:16.0f}" if stage in turn else f"{'-':>16}" for stage in STAGES
+        ]
+        print(f"  {number:>4}  " + "  ".join(cells))

@@ -108,6 +108,7 @@ class CallSession:
         self._speech: _Speech | None = None
         self._turn: TurnTimings | None = None
         self.turns: list[dict[str, float]] = []
+        self._turns_saved = 0
         self.hung_up = False
 
     # -- inbound (called by the stream's receive loop) ------------------------------------
@@ -371,6 +372,12 @@ class CallSession:
         parts = turn.observe()
         self.turns.append(parts)
         log.info("turn.latency", **{k: round(v, 4) for k, v in parts.items()})
+
+    def unsaved_turns(self) -> list[dict[str, float]]:
+        """Turn latencies not yet handed to the call store (each is handed out once)."""
+        fresh = self.turns[self._turns_saved :]
+        self._turns_saved = len(self.turns)
+        return fresh
 
     # -- barge-in -------------------------------------------------------------------------
 

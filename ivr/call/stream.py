@@ -37,6 +37,7 @@ POLICY_VIOLATION = 1008
 class _Outcome:
     reason: str = "disconnect"  # "stop" | "disconnect" | "hangup" | "transfer" | "error"
     end: CallEnd | None = None
+    session: CallSession | None = None
 
 
 async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
@@ -147,6 +148,7 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
     )
     if conversation is not None:
         tasks.add(conversation)
+    outcome.session = session
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finished = done.pop()
@@ -213,8 +215,11 @@ async def _attach(gateway: Gateway, start: Start) -> CallRecord:
 
 async def _finish(gateway: Gateway, call_sid: str, outcome: _Outcome) -> None:
     end = outcome.end
+    turns = outcome.session.unsaved_turns() if outcome.session is not None else []
 
     def mark(record: CallRecord) -> None:
+        for turn in turns:
+            record.add_turn(turn)
         if end is not None:
             record.end_action = end.action
             record.transfer_to = end.number

@@ -20,6 +20,7 @@ from ivr.telephony import twilio
 log = structlog.get_logger("ivr.app")
 
 STREAM_TOKEN_TTL = 300.0
+NOT_IN_SERVICE = "Sorry, this number is not in service."
 XML = "application/xml"
 
 
@@ -53,6 +54,13 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
             from_number=form.get("From", ""),
             to_number=form.get("To", ""),
         )
+        if gateway.pin_flow is not None:
+            try:
+                gateway.pin_flow(record)
+            except LookupError as exc:
+                log.error("webhook.no_flow", error=str(exc), pii_to=record.to_number)
+                metrics.WEBHOOKS.labels("no_flow").inc()
+                return Response(twilio.reject_twiml(NOT_IN_SERVICE), media_type=XML)
         try:
             await gateway.store.create(record)
         except CallExists:

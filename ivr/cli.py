@@ -38,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_plugin_commands(commands)
     args = parser.parse_args(args_list)
+    if args.command not in ("serve",):
+        from ivr.obs.logging import configure_logging
+
+        configure_logging("console", "warning")  # tools print results; logs only for trouble
     try:
         handler = getattr(args, "handler", None) or args.func
         result: int = handler(args)

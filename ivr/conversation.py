@@ -1,52 +1,125 @@
-"""What a call does once its stream is up. Until the flow engine is wired in, a plain LLM agent."""
+"""What a call does once its stream is up: the YAML flow it was pinned to at webhook time.
+
+Flow state is persisted to the call store after every step, before the step's prompt is
+spoken, so an instance that dies loses at most the turn in progress; the stream that resumes
+the call (on any instance) picks the saved state up and the runner re-enters the node.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from typing import Any
 
-from ivr.call.io import CallIO, HungUp, ListenSpec, NoInput, Utterance
+import httpx
+import structlog
+
+from ivr.call.io import CallIO
+from ivr.flows.events import FlowState
+from ivr.flows.loader import Problem
+from ivr.flows.model import Flow
+from ivr.flows.registry import FlowRegistry
+from ivr.flows.runner import FlowRunner
 from ivr.gateway import Gateway
-from ivr.llm.base import ChatMessage, TextDelta
-from ivr.state.base import CallRecord
+from ivr.state.base import CallRecord, StoreError
 
-SYSTEM_PROMPT = (
-    "You are a friendly phone assistant. Answer in one or two short spoken sentences. "
-    "No lists, no markdown."
-)
-GREETING = "Hello! How can I help you today?"
+log = structlog.get_logger("ivr.conversation")
+
+MAX_REMEMBERED_VERSIONS = 64
 
 
-def attach_flows(gateway: Gateway) -> None:
+class FlowVersions:
+    """Every flow version this process has loaded, so a call finishes on the version it began
+    with even after a hot reload replaced it (bounded: oldest versions are forgotten)."""
+
+    def __init__(self) -> None:
+        self._flows: OrderedDict[str, Flow] = OrderedDict()
+
+    def remember(self, flows: dict[str, Flow]) -> None:
+        for flow in flows.values():
+            self._flows[flow.version] = flow
+            self._flows.move_to_end(flow.version)
+        while len(self._flows) > MAX_REMEMBERED_VERSIONS:
+            self._flows.popitem(last=False)
+
+    def get(self, version: str) -> Flow | None:
+        return self._flows.get(version)
+
+
+def attach_flows(gateway: Gateway) -> FlowRegistry:
+    """Load ``flows_dir`` (``FlowLoadError`` lists every problem); make it drive the calls."""
+    registry = FlowRegistry(gateway.settings.flows_dir)
+    registry.load()
+    versions = FlowVersions()
+    versions.remember(registry.flows)
+    http = httpx.AsyncClient(timeout=10.0)
+    gateway.on_close(http.aclose)
+
+    async def on_reload(problems: list[Problem]) -> None:
+        versions.remember(registry.flows)
+        for problem in problems:
+            log.error("flows.refused", problem=str(problem))
+        added = await gateway.prompts.warm(gateway.tts, sorted(registry.static_prompt_texts()))
+        log.info("flows.reloaded", refused=len(problems), prompts_synthesised=added)
+
+    def pin(record: CallRecord) -> None:
+        flow = registry.flow_for_number(record.to_number)
+        record.flow_name, record.flow_version = flow.name, flow.version
+
     async def conversation(io: CallIO, record: CallRecord) -> None:
-        history = [ChatMessage("system", SYSTEM_PROMPT)]
-        spoken = await io.say(GREETING)
-        history.append(ChatMessage("assistant", spoken.text_heard))
-        silences = 0
-        while True:
-            heard = await io.listen(ListenSpec(no_input_timeout=8.0))
-            if isinstance(heard, HungUp):
-                return
-            if isinstance(heard, NoInput):
-                silences += 1
-                if silences >= 2:
-                    await io.say("Goodbye!", interruptible=False)
-                    await io.hangup()
-                    return
-                await io.say("Are you still there?")
-                continue
-            if not isinstance(heard, Utterance) or not heard.text:
-                await io.say("Sorry, I didn't catch that.")
-                continue
-            silences = 0
-            history.append(ChatMessage("user", heard.text))
+        flow = versions.get(record.flow_version) or _current(registry, record)
+        saved = FlowState.model_validate(record.flow_state) if record.flow_state else None
 
-            async def text() -> AsyncIterator[str]:
-                async for event in gateway.llm.stream_chat(history):
-                    if isinstance(event, TextDelta):
-                        yield event.text
+        async def persist(state: FlowState) -> None:
+            await _persist(gateway, record.call_sid, state, io)
 
-            spoken = await io.say_stream(text())
-            history.append(ChatMessage("assistant", spoken.text_heard))
+        runner = FlowRunner(
+            flow,
+            io,
+            gateway.llm,
+            http,
+            persist,
+            call_vars={
+                "caller": record.from_number,
+                "called": record.to_number,
+                "call_sid": record.call_sid,
+            },
+        )
+        await runner.run(saved)
 
     gateway.conversation = conversation
-    gateway.static_prompts = lambda: {GREETING}
+    gateway.pin_flow = pin
+    gateway.static_prompts = registry.static_prompt_texts
+    gateway.add_background(lambda: registry.watch(on_reload=on_reload))
+    return registry
+
+
+def _current(registry: FlowRegistry, record: CallRecord) -> Flow:
+    """The call's pinned version is gone (another instance loaded it, then a reload): run the
+    current version of the same flow, or whatever now answers the number."""
+    if record.flow_version:
+        log.warning("flows.version_missing", flow=record.flow_name, version=record.flow_version)
+    try:
+        return registry.get(record.flow_name)
+    except KeyError:
+        return registry.flow_for_number(record.to_number)
+
+
+async def _persist(gateway: Gateway, call_sid: str, state: FlowState, io: Any) -> None:
+    data = state.model_dump(mode="json")
+    turns = io.unsaved_turns() if hasattr(io, "unsaved_turns") else []
+
+    def save(record: CallRecord) -> None:
+        record.flow_state = data
+        record.node = state.node
+        record.variables = dict(state.vars)
+        record.history = []
+        for item in state.history:
+            if item.role in ("user", "assistant") and item.content:
+                record.add_message(item.role, item.content)
+        for turn in turns:
+            record.add_turn(turn)
+
+    try:
+        await gateway.store.update(call_sid, save)
+    except StoreError as exc:  # the call goes on; the store logs and counts its own outage
+        log.error("flow.persist_failed", error=str(exc))

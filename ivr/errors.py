@@ -1,12 +1,12 @@
 """Errors the gateway raises, mapped at each adapter from the library that failed.
 
-    IvrError
-    ├── ConfigError             bad or missing settings; raised at startup
-    ├── ProviderError           an STT / LLM / TTS provider failed (``retryable`` says whether to retry)
-    │   ├── ProviderTimeout     no answer within the provider's timeout
-    │   └── ProviderStatusError the provider answered with an HTTP error status
-    ├── ProtocolError           a message from Twilio (or the simulated caller) we cannot use
-    └── FlowError               a flow file is invalid (carries file, line, column)
+IvrError
+├── ConfigError             bad or missing settings; raised at startup
+├── ProviderError           an STT / LLM / TTS provider failed (``retryable``: worth a retry)
+│   ├── ProviderTimeout     no answer within the provider's timeout
+│   └── ProviderStatusError the provider answered with an HTTP error status
+├── ProtocolError           a message from Twilio (or the simulated caller) we cannot use
+└── FlowError               a flow file is invalid (carries file, line, column)
 """
 
 from __future__ import annotations

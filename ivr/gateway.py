@@ -6,6 +6,7 @@ connects the call store and pre-synthesises static prompts; ``aclose()`` undoes 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -64,8 +65,19 @@ class Gateway:
             else None
         )
         self.conversation: Conversation | None = None
+        self.pin_flow: Callable[[CallRecord], None] | None = None
+        """Sets flow_name/flow_version on a new call's record (raises LookupError: no flow)."""
         self.static_prompts: Callable[[], set[str]] = set
         self._exit = contextlib.AsyncExitStack()
+        self._background_factories: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._background: list[asyncio.Task[None]] = []
+
+    def add_background(self, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """A long-running job started with the gateway and cancelled when it closes."""
+        self._background_factories.append(factory)
+
+    def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._exit.push_async_callback(closer)
 
     @property
     def llm(self) -> LanguageModel:
@@ -103,6 +115,8 @@ class Gateway:
             if warm is not None:
                 await warm()
         added = await self.prompts.warm(self.tts, sorted(self.static_prompts()))
+        for factory in self._background_factories:
+            self._background.append(asyncio.create_task(factory()))
         log.info(
             "gateway.started",
             instance=self.instance_id,
@@ -131,6 +145,10 @@ class Gateway:
         )
 
     async def aclose(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
         for closeable in (self._llm, self.stt, self.tts, self.store):
             if closeable is not None:
                 with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 from ivr.config import Settings
 from ivr.llm.openai_compat import OpenAICompatLlm
@@ -15,8 +16,6 @@ from ivr.server import RunningServer, build_gateway, running_server
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.openai_http import OpenAIHttpTts
-
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import secrets
 import httpx
 import pytest
 import websockets
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from twilio.request_validator import RequestValidator
 
 from ivr.sim.caller import place_call
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 pytestmark = pytest.mark.slow
 
@@ -114,9 +114,7 @@ def sign(url: str, params: dict[str, str], token: str = AUTH_TOKEN) -> str:
     return str(RequestValidator(token).compute_signature(url, params))
 
 
-async def voice_webhook(
-    base: str, call_sid: str, signature: str | None = None
-) -> httpx.Response:
+async def voice_webhook(base: str, call_sid: str, signature: str | None = None) -> httpx.Response:
     params = {"CallSid": call_sid, "AccountSid": "AC1", "From": "+15550001111", "To": "+1555"}
     sig = sign(f"{PUBLIC_URL}/twilio/voice", params) if signature is None else signature
     async with httpx.AsyncClient() as http:

@@ -196,7 +196,7 @@ def clear_message(stream_sid: str) -> str:
 
 
 def connect_stream_twiml(stream_url: str, action_url: str, parameters: Mapping[str, str]) -> str:
-    """``<Connect action><Stream url>`` with per-call ``<Parameter>``s (Twilio drops query strings)."""
+    """``<Connect action><Stream url>`` with per-call ``<Parameter>``s (no query strings)."""
     response = VoiceResponse()
     connect = Connect(action=action_url, method="POST")
     stream = connect.stream(url=stream_url)

@@ -1,0 +1,281 @@
+"""Engine steps of an ``agent`` node: caller turns, model replies, tool calls, exits.
+
+The history keeps only what the caller heard of each reply. Tool arguments are checked against
+the declared schema; a bad call goes back to the model as a tool error once, then the agent
+apologises and listens instead of looping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ivr.call.io import ListenSpec
+from ivr.flows import argcheck, matching
+from ivr.flows.events import (
+    AgentTurn,
+    CallerPressed,
+    CallerSaid,
+    CallerSilent,
+    FlowAction,
+    FlowState,
+    HistoryItem,
+    HttpRequest,
+    HttpResult,
+    Listen,
+    LlmReplied,
+    ToolCallData,
+)
+from ivr.flows.model import AgentNode, AgentTool, AskNode, Flow, HttpCall, MenuNode
+from ivr.flows.template import render_value
+from ivr.llm.base import ChatMessage, ToolCall, ToolSpec
+
+MAX_TOOL_ROUNDS = 4
+"""Model calls per caller turn; stops a model that keeps calling tools."""
+MAX_HISTORY = 60
+"""Messages kept in the state (it is persisted after every step); older turns are dropped."""
+MAX_TOOL_ERRORS = 1
+"""Invalid tool calls sent back to the model for a retry before giving up on the turn."""
+
+
+class AgentSteps:
+    flow: Flow
+    state: FlowState
+    actions: list[FlowAction]
+
+    # Provided by the engine's step class, which mixes this in.
+    def say(self, text: str | None, interruptible: bool = True) -> None:
+        raise NotImplementedError
+
+    def goto(self, target: str) -> None:
+        raise NotImplementedError
+
+    def render(self, text: str) -> str:
+        raise NotImplementedError
+
+    def listen_spec(self, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
+        raise NotImplementedError
+
+    def http_request(self, call: HttpCall, variables: Mapping[str, Any]) -> HttpRequest:
+        raise NotImplementedError
+
+    def map_answer(self, call: HttpCall, answer: Any) -> str | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ entering and listening
+
+    def _agent(self) -> AgentNode:
+        node = self.flow.nodes[self.state.node]
+        assert isinstance(node, AgentNode)
+        return node
+
+    def enter_agent(self, node: AgentNode) -> None:
+        self.state.agent_turns = 0
+        if node.history == "reset":
+            self.state.history = []
+        if node.greeting:
+            greeting = self.render(node.greeting)
+            self.say(greeting, node.interruptible)
+            self.state.history.append(HistoryItem(role="assistant", content=greeting))
+        if node.respond_immediately and any(m.role == "user" for m in self.state.history):
+            self.state.tool_rounds = 0
+            self.state.tool_errors = 0
+            self._ask_model(node)
+        else:
+            self.listen_agent(node)
+
+    def listen_agent(self, node: AgentNode) -> None:
+        self.actions.append(Listen(self.listen_spec(node)))
+        self.state.waiting = "input"
+
+    def agent_input(
+        self, node: AgentNode, event: CallerSaid | CallerPressed | CallerSilent
+    ) -> None:
+        if isinstance(event, CallerPressed):
+            text = f"(the caller pressed {event.digits})"
+        elif isinstance(event, CallerSaid) and event.text.strip():
+            text = event.text.strip()
+        else:
+            self._agent_no_input(node)
+            return
+        self.state.attempts = 0
+        self.state.vars["last_input"] = text
+        self.state.history.append(HistoryItem(role="user", content=text))
+        self._trim_history()
+        self.state.tool_rounds = 0
+        self.state.tool_errors = 0
+        self._ask_model(node)
+
+    def _trim_history(self) -> None:
+        """Keep the newest messages, starting at a caller turn so no tool result is orphaned."""
+        history = self.state.history
+        if len(history) > MAX_HISTORY:
+            del history[: len(history) - MAX_HISTORY]
+            while history and history[0].role != "user":
+                del history[0]
+
+    def _agent_no_input(self, node: AgentNode) -> None:
+        self.state.attempts += 1
+        if self.state.attempts > node.max_no_input:
+            self.goto(node.on_no_input)
+            return
+        self.say(node.no_input_prompt or self.flow.defaults.no_input_prompt)
+        self.listen_agent(node)
+
+    def _ask_model(self, node: AgentNode) -> None:
+        system = self.render(node.system)
+        if node.knowledge_text:
+            system += "\n\n# Reference information\n\n" + node.knowledge_text
+        messages = (ChatMessage("system", system), *(_chat(m) for m in self.state.history))
+        tools = tuple(ToolSpec(t.name, t.description, t.parameters) for t in node.tools)
+        self.actions.append(AgentTurn(messages, tools, node.interruptible, node.max_tokens))
+        self.state.tool_rounds += 1
+        self.state.waiting = "agent"
+
+    # ------------------------------------------------------------ model replies
+
+    def agent_replied(self, event: LlmReplied) -> None:
+        node = self._agent()
+        if event.error is not None:
+            self.say(self.flow.defaults.error_prompt)
+            if node.on_error is not None:
+                self.goto(node.on_error)
+            else:
+                self.listen_agent(node)
+            return
+        # An interrupted reply keeps only what was heard and drops its tool calls: the caller
+        # cut in, so the next turn starts from what they say.
+        calls = (
+            []
+            if event.interrupted
+            else [
+                ToolCallData(id=c.id, name=c.name, arguments=c.arguments) for c in event.tool_calls
+            ]
+        )
+        if event.text_heard or calls:
+            self.state.history.append(
+                HistoryItem(role="assistant", content=event.text_heard, tool_calls=calls)
+            )
+        if calls:
+            self.state.pending_tools = calls
+            self._run_pending_tools(node)
+        else:
+            self._turn_done(node)
+
+    def _turn_done(self, node: AgentNode) -> None:
+        self.state.agent_turns += 1
+        for case in node.exit_when:
+            if matching.all_hold(case.conditions, self.state.vars):
+                self.goto(case.next)
+                return
+        if node.max_turns is not None and self.state.agent_turns >= node.max_turns:
+            assert node.on_max_turns is not None
+            self.goto(node.on_max_turns)
+            return
+        self.listen_agent(node)
+
+    def _run_pending_tools(self, node: AgentNode) -> None:
+        tools = {t.name: t for t in node.tools}
+        while self.state.pending_tools:
+            call = self.state.pending_tools.pop(0)
+            tool = tools.get(call.name)
+            if tool is None:
+                self._tool_error(
+                    call, f"unknown tool '{call.name}'; available: {', '.join(tools) or 'none'}"
+                )
+                continue
+            args, problems = argcheck.parse_arguments(call.arguments, tool.parameters)
+            if problems:
+                self._tool_error(call, "invalid arguments: " + "; ".join(problems))
+                continue
+            scope = {**self.state.vars, "args": args}
+            self.state.vars.update(render_value(tool.set, scope))
+            if tool.http is not None:
+                self.actions.append(self.http_request(tool.http, scope))
+                self.state.pending_answer = call.id
+                self.state.waiting = "tool_http"
+                return
+            self._tool_result(call.id, tool.result)
+            if tool.next is not None:
+                self._handoff(tool)
+                return
+        self._after_tools(node)
+
+    def _tool_error(self, call: ToolCallData, message: str) -> None:
+        self.state.tool_errors += 1
+        self._tool_result(
+            call.id, f"ERROR: {message}. Call the tool again with corrected arguments."
+        )
+
+    def _tool_result(self, call_id: str, content: str) -> None:
+        self.state.history.append(HistoryItem(role="tool", content=content, tool_call_id=call_id))
+
+    def _handoff(self, tool: AgentTool) -> None:
+        for rest in self.state.pending_tools:  # every call needs an answer in the history
+            self._tool_result(rest.id, "not run: the conversation moved on")
+        self.state.pending_tools = []
+        assert tool.next is not None
+        self.goto(tool.next)
+
+    def _after_tools(self, node: AgentNode) -> None:
+        gave_up = self.state.tool_errors > MAX_TOOL_ERRORS
+        if gave_up or self.state.tool_rounds >= MAX_TOOL_ROUNDS:
+            self.say(self.flow.defaults.error_prompt)
+            self._turn_done(node)
+        else:
+            self._ask_model(node)
+
+    def tool_http_result(self, event: HttpResult) -> None:
+        node = self._agent()
+        call_id = self.state.pending_answer or ""
+        self.state.pending_answer = None
+        tool = next(t for t in node.tools if t.http is not None and self._was_called(t, call_id))
+        assert tool.http is not None
+        error = event.error if not event.ok else self.map_answer(tool.http, event.json)
+        if error:
+            self._tool_result(call_id, f"ERROR: the request failed ({error})")
+        else:
+            self._tool_result(call_id, _json_text(event.json))
+        if tool.next is not None and not error:
+            self._handoff(tool)
+            return
+        self._run_pending_tools(node)
+
+    def _was_called(self, tool: AgentTool, call_id: str) -> bool:
+        for item in reversed(self.state.history):
+            for call in item.tool_calls:
+                if call.id == call_id:
+                    return call.name == tool.name
+        return False
+
+    def resume_agent(self, node: AgentNode) -> None:
+        """After a lost instance: answer the caller's last words if the reply was lost too."""
+        self.repair_history()
+        if self.state.history and self.state.history[-1].role == "user":
+            self.state.tool_rounds = 0
+            self.state.tool_errors = 0
+            self._ask_model(node)
+        else:
+            self.listen_agent(node)
+
+    def repair_history(self) -> None:
+        """Drop a trailing tool-call message whose results were lost when the instance died."""
+        answered = {m.tool_call_id for m in self.state.history if m.role == "tool"}
+        for i in range(len(self.state.history) - 1, -1, -1):
+            item = self.state.history[i]
+            if item.tool_calls and any(c.id not in answered for c in item.tool_calls):
+                del self.state.history[i:]
+                break
+        self.state.pending_tools = []
+        self.state.pending_answer = None
+
+
+def _chat(item: HistoryItem) -> ChatMessage:
+    calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in item.tool_calls)
+    return ChatMessage(item.role, item.content, tool_calls=calls, tool_call_id=item.tool_call_id)
+
+
+def _json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)[:4000]

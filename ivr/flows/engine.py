@@ -1,0 +1,374 @@
+"""The pure flow engine: ``step(flow, state, event) -> (state, actions)``. No I/O, no clocks.
+
+Entering a node runs the nodes that need nothing from the outside (set, branch, goto, say)
+until one must wait: for the caller (ask, menu, agent), for the LLM, or for an HTTP answer.
+The input state is never modified; the returned state is a new object.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ivr.call.io import ListenSpec
+from ivr.errors import FlowError
+from ivr.flows import matching
+from ivr.flows.agent import AgentSteps
+from ivr.flows.events import (
+    CallerHungUp,
+    CallerPressed,
+    CallerSaid,
+    CallerSilent,
+    CallStarted,
+    ClassifyIntent,
+    FlowAction,
+    FlowEvent,
+    FlowState,
+    Hangup,
+    HttpRequest,
+    HttpResult,
+    IntentClassified,
+    IntentOption,
+    Listen,
+    LlmReplied,
+    Resumed,
+    Say,
+    Transfer,
+)
+from ivr.flows.model import (
+    AgentNode,
+    AskNode,
+    BranchNode,
+    EnvVar,
+    Flow,
+    GotoNode,
+    HangupNode,
+    HttpCall,
+    HttpNode,
+    MenuNode,
+    SayNode,
+    SetNode,
+    TransferNode,
+)
+from ivr.flows.template import lookup, render, render_value
+
+MAX_HOPS = 64
+"""Nodes entered without waiting for anything; the validator rejects such loops, this is a guard."""
+
+
+class FlowRuntimeError(FlowError):
+    """The engine got an event it cannot handle in the current state."""
+
+
+def new_state(
+    flow: Flow, call_vars: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> FlowState:
+    """A fresh state: flow variables (``{env: NAME}`` read from ``env``), then ``call_vars``."""
+    environ = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, default in flow.variables.items():
+        if isinstance(default, EnvVar):
+            values[name] = environ.get(default.env, default.default)
+        else:
+            values[name] = default
+    values.update(call_vars or {})
+    return FlowState(flow=flow.name, version=flow.version, node=flow.start, vars=values)
+
+
+def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, list[FlowAction]]:
+    run = _Step(flow, state.model_copy(deep=True))
+    run.state.steps += 1
+    run.handle(event)
+    return run.state, run.actions
+
+
+class _Step(AgentSteps):
+    def __init__(self, flow: Flow, state: FlowState) -> None:
+        self.flow = flow
+        self.state = state
+        self.actions: list[FlowAction] = []
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, event: FlowEvent) -> None:
+        if self.state.done:
+            return
+        if isinstance(event, CallStarted):
+            self.goto(self.flow.start)
+        elif isinstance(event, Resumed):
+            self._resume()
+        elif isinstance(event, CallerHungUp):
+            self._finish("caller_hangup")
+        elif isinstance(event, HttpResult) and self.state.waiting == "http":
+            self._http_result(event)
+        elif isinstance(event, HttpResult) and self.state.waiting == "tool_http":
+            self.tool_http_result(event)
+        elif isinstance(event, IntentClassified) and self.state.waiting == "classify":
+            self._classified(event)
+        elif isinstance(event, LlmReplied) and self.state.waiting == "agent":
+            self.agent_replied(event)
+        elif isinstance(event, CallerSaid | CallerPressed | CallerSilent):
+            self._caller_input(event)
+        else:
+            raise FlowRuntimeError(
+                f"event {type(event).__name__} while waiting for {self.state.waiting} "
+                f"at node '{self.state.node}'"
+            )
+
+    def _caller_input(self, event: CallerSaid | CallerPressed | CallerSilent) -> None:
+        if self.state.waiting != "input":
+            raise FlowRuntimeError(f"caller input while waiting for {self.state.waiting}")
+        node = self.flow.nodes[self.state.node]
+        if isinstance(node, AgentNode):
+            self.agent_input(node, event)
+        elif isinstance(node, AskNode | MenuNode):
+            self._answer(node, event)
+
+    # ------------------------------------------------------------ moving between nodes
+
+    def render(self, text: str) -> str:
+        return render(text, self.state.vars)
+
+    def say(self, text: str | None, interruptible: bool = True) -> None:
+        if text:
+            rendered = self.render(text)
+            if rendered.strip():
+                self.actions.append(Say(rendered, interruptible))
+
+    def goto(self, target: str) -> None:
+        for _ in range(MAX_HOPS):
+            next_target = self._enter(target)
+            if next_target is None:
+                return
+            target = next_target
+        raise FlowRuntimeError(f"more than {MAX_HOPS} nodes without waiting, last '{target}'")
+
+    def _enter(self, target: str) -> str | None:
+        """Enter ``target``; return the next node if it does not wait for anything."""
+        if target == "hangup":
+            self.actions.append(Hangup())
+            self._finish("hangup")
+            return None
+        node = self.flow.nodes[target]
+        self.state.node = target
+        self.state.attempts = 0
+        self.state.waiting = "start"
+        if isinstance(node, SayNode):
+            self.say(node.text, node.interruptible)
+            return node.next
+        if isinstance(node, SetNode):
+            self.state.vars.update(render_value(node.values, self.state.vars))
+            return node.next
+        if isinstance(node, GotoNode):
+            return node.next
+        if isinstance(node, BranchNode):
+            return next(
+                (c.next for c in node.cases if matching.all_hold(c.conditions, self.state.vars)),
+                node.default,
+            )
+        self._enter_waiting(node)
+        return None
+
+    def _enter_waiting(self, node: Any) -> None:
+        if isinstance(node, AskNode | MenuNode):
+            self._prompt(node, None)
+        elif isinstance(node, AgentNode):
+            self.enter_agent(node)
+        elif isinstance(node, HttpNode):
+            self.actions.append(self.http_request(node.request, self.state.vars))
+            self.state.waiting = "http"
+        elif isinstance(node, TransferNode):
+            self.say(node.say, interruptible=False)
+            number = self.render(node.number)
+            self.actions.append(Transfer(number))
+            self.state.transfer_to = number
+            self._finish("transfer")
+        elif isinstance(node, HangupNode):
+            self.say(node.say, interruptible=False)
+            self.actions.append(Hangup())
+            self._finish("hangup")
+
+    def _finish(self, outcome: Any) -> None:
+        self.state.outcome = outcome
+        self.state.waiting = "done"
+
+    def _resume(self) -> None:
+        self.say(self.flow.resume_prompt)
+        node = self.flow.nodes.get(self.state.node)
+        if node is None:  # the flow changed under a resumed call: start over
+            self.goto(self.flow.start)
+        elif isinstance(node, AskNode | MenuNode):
+            self._prompt(node, None)
+        elif isinstance(node, AgentNode):
+            self.resume_agent(node)
+        else:
+            self.goto(self.state.node)
+
+    # ------------------------------------------------------------ ask / menu
+
+    def listen_spec(self, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
+        timeout = node.no_input_timeout or self.flow.defaults.no_input_timeout
+        if isinstance(node, AgentNode):
+            return ListenSpec(speech=True, dtmf=True, no_input_timeout=timeout)
+        return ListenSpec(
+            speech=node.speech,
+            dtmf=node.dtmf,
+            no_input_timeout=timeout,
+            num_digits=node.digits.num_digits,
+            finish_on_key=node.digits.finish_on_key,
+            inter_digit_timeout=node.digits.inter_digit_timeout,
+        )
+
+    def _prompt(self, node: AskNode | MenuNode, before: str | None) -> None:
+        self.say(before)
+        self.say(node.prompt, node.interruptible)
+        self.actions.append(Listen(self.listen_spec(node)))
+        self.state.waiting = "input"
+
+    def _retry(self, node: AskNode | MenuNode, silent: bool) -> None:
+        self.state.attempts += 1
+        limit = node.max_retries if node.max_retries is not None else self.flow.defaults.max_retries
+        if self.state.attempts > limit:
+            self.goto(node.fallback)
+            return
+        d = self.flow.defaults
+        if silent:
+            self._prompt(node, node.no_input_prompt or d.no_input_prompt)
+        else:
+            self._prompt(node, node.no_match_prompt or d.no_match_prompt)
+
+    def _answer(
+        self, node: AskNode | MenuNode, event: CallerSaid | CallerPressed | CallerSilent
+    ) -> None:
+        if isinstance(event, CallerSilent):
+            self._retry(node, silent=True)
+            return
+        answer = event.text.strip() if isinstance(event, CallerSaid) else event.digits
+        if not answer:
+            self._retry(node, silent=isinstance(event, CallerSaid))
+            return
+        self.state.vars["last_input"] = answer
+        spoken = isinstance(event, CallerSaid)
+        target = _match_route(self.flow, node, answer, spoken)
+        if target is not None:
+            self._accept(node, answer, target)
+        elif isinstance(node, AskNode) and spoken and (node.extract or node.classify):
+            self._classify(node, answer)
+        elif (
+            isinstance(node, AskNode)
+            and node.next is not None
+            and _pattern_ok(node, answer, spoken)
+        ):
+            self._accept(node, _clean(node, answer, spoken), node.next)
+        else:
+            self._retry(node, silent=False)
+
+    def _accept(self, node: AskNode | MenuNode, answer: str, target: str) -> None:
+        if node.store:
+            self.state.vars[node.store] = answer
+        self.goto(target)
+
+    def _classify(self, node: AskNode, answer: str) -> None:
+        intents = tuple(
+            IntentOption(r.intent, self.flow.intents[r.intent].description,
+                         tuple(self.flow.intents[r.intent].examples))
+            for r in node.routes if r.intent
+        )  # fmt: skip
+        schema = node.extract.schema_ if node.extract else None
+        self.actions.append(ClassifyIntent(answer, intents, schema))
+        self.state.pending_answer = answer
+        self.state.waiting = "classify"
+
+    def _classified(self, event: IntentClassified) -> None:
+        node = self.flow.nodes[self.state.node]
+        assert isinstance(node, AskNode)
+        answer = self.state.pending_answer or ""
+        self.state.pending_answer = None
+        if event.error is None and node.extract is not None:
+            missing = [
+                f
+                for f in node.extract.schema_.get("required", [])
+                if event.slots.get(f) in (None, "")
+            ]
+            if missing and node.extract.required:
+                self._retry(node, silent=False)
+                return
+            self.state.vars.update(
+                {k: v for k, v in event.slots.items() if k in node.extract.fields}
+            )
+        routes = {r.intent: r.next for r in node.routes if r.intent}
+        if event.error is None and event.intent in routes:
+            self.state.vars["last_intent"] = event.intent
+            self._accept(node, answer, routes[event.intent])
+        elif event.error is None and node.next is not None and _pattern_ok(node, answer, True):
+            self._accept(node, answer, node.next)
+        else:
+            self._retry(node, silent=False)
+
+    # ------------------------------------------------------------ http
+
+    def http_request(self, call: HttpCall, variables: Mapping[str, Any]) -> HttpRequest:
+        return HttpRequest(
+            method=call.method,
+            url=render(call.url, variables),
+            headers={k: render(v, variables) for k, v in call.headers.items()},
+            json=render_value(call.json_body, variables),
+            timeout=call.timeout,
+        )
+
+    def _http_result(self, event: HttpResult) -> None:
+        node = self.flow.nodes[self.state.node]
+        assert isinstance(node, HttpNode)
+        self.state.vars["http_status"] = event.status
+        error = event.error if not event.ok else self.map_answer(node.request, event.json)
+        self.state.vars["http_error"] = error
+        target = node.on_error if error else node.next
+        assert target is not None  # the validator requires both edges
+        self.goto(target)
+
+    def map_answer(self, call: HttpCall, answer: Any) -> str | None:
+        """Copy mapped answer fields into variables; an error text if one is missing."""
+        for var, path in call.map.items():
+            value = lookup(answer, path) if isinstance(answer, dict | list) else None
+            if value is None:
+                return f"the answer has no field '{path}'"
+            self.state.vars[var] = value
+        return None
+
+
+def _match_route(flow: Flow, node: AskNode | MenuNode, answer: str, spoken: bool) -> str | None:
+    key = matching.spoken_key(answer) if spoken else answer
+    if isinstance(node, MenuNode):
+        for option in node.options:
+            if key == option.key or (spoken and matching.any_phrase(answer, option.say)):
+                return option.next
+        return None
+    for route in node.routes:
+        if route.key is not None and key == route.key:
+            return route.next
+        if (
+            spoken
+            and route.intent
+            and matching.any_phrase(answer, flow.intents[route.intent].examples)
+        ):
+            return route.next
+    return None
+
+
+def _clean(node: AskNode, answer: str, spoken: bool) -> str:
+    """A spoken answer to a digits question ("one two three") is stored as digits."""
+    if spoken and node.pattern and node.dtmf:
+        digits = matching.spoken_digits(answer)
+        if digits and node.pattern and _full(node.pattern, digits):
+            return digits
+    return answer
+
+
+def _pattern_ok(node: AskNode, answer: str, spoken: bool) -> bool:
+    return node.pattern is None or _full(node.pattern, _clean(node, answer, spoken))
+
+
+def _full(pattern: str, text: str) -> bool:
+    return re.fullmatch(pattern, text) is not None

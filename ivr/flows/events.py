@@ -1,0 +1,196 @@
+"""What goes into and out of the flow engine.
+
+``FlowState`` is plain data that round-trips through JSON (the call session persists it between
+steps). Events are what happened on the call; actions are what the runner must do next. Among the
+actions of one step, at most one produces a result (``Listen``, ``AgentTurn``, ``ClassifyIntent``,
+``HttpRequest``), and it is always the last one; its result is the next event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ivr.call.io import ListenSpec
+from ivr.llm.base import ChatMessage, ToolSpec
+
+# ---------------------------------------------------------------- state
+
+Waiting = Literal["start", "input", "classify", "agent", "http", "tool_http", "done"]
+Outcome = Literal["hangup", "transfer", "caller_hangup"]
+
+
+class ToolCallData(BaseModel):
+    id: str
+    name: str
+    arguments: str
+
+
+class HistoryItem(BaseModel):
+    """One message of an agent conversation; assistant text is only what the caller heard."""
+
+    role: Literal["user", "assistant", "tool"]
+    content: str
+    tool_calls: list[ToolCallData] = Field(default_factory=list)
+    tool_call_id: str | None = None
+
+
+class FlowState(BaseModel):
+    flow: str
+    version: str = ""
+    node: str = ""
+    waiting: Waiting = "start"
+    vars: dict[str, Any] = Field(default_factory=dict)
+    attempts: int = 0
+    """Failed answers (no match or no input) at the current input node."""
+    agent_turns: int = 0
+    tool_rounds: int = 0
+    """Model calls since the caller last spoke (bounds tool-call loops)."""
+    tool_errors: int = 0
+    pending_tools: list[ToolCallData] = Field(default_factory=list)
+    pending_answer: str | None = None
+    history: list[HistoryItem] = Field(default_factory=list)
+    outcome: Outcome | None = None
+    transfer_to: str | None = None
+    steps: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.waiting == "done"
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class CallStarted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """The call continues from a saved state on another instance."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallerSaid:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallerPressed:
+    digits: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallerSilent:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CallerHungUp:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallEvent:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class LlmReplied:
+    text_heard: str
+    interrupted: bool = False
+    tool_calls: tuple[ToolCallEvent, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IntentClassified:
+    intent: str | None
+    slots: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResult:
+    ok: bool
+    status: int = 0
+    json: Any = None
+    error: str | None = None
+
+
+FlowEvent = (
+    CallStarted
+    | Resumed
+    | CallerSaid
+    | CallerPressed
+    | CallerSilent
+    | CallerHungUp
+    | LlmReplied
+    | IntentClassified
+    | HttpResult
+)
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Say:
+    text: str
+    interruptible: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    spec: ListenSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTurn:
+    messages: tuple[ChatMessage, ...]
+    """System message first, then the conversation."""
+    tools: tuple[ToolSpec, ...] = ()
+    interruptible: bool = True
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IntentOption:
+    name: str
+    description: str
+    examples: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifyIntent:
+    text: str
+    intents: tuple[IntentOption, ...]
+    extract_schema: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str
+    url: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    json: Any = None
+    timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    number: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hangup:
+    pass
+
+
+FlowAction = Say | Listen | AgentTurn | ClassifyIntent | HttpRequest | Transfer | Hangup

@@ -1,0 +1,64 @@
+"""Draw a flow as a Mermaid flowchart or a Graphviz dot graph (``ivr flows graph``)."""
+
+from __future__ import annotations
+
+from ivr.flows.loader import Path_
+from ivr.flows.model import AgentNode, AskNode, Flow, MenuNode, Node
+from ivr.flows.validate import edges
+
+
+def edge_label(node: Node, path: Path_) -> str:
+    field = path[0]
+    if isinstance(node, AskNode) and field == "routes":
+        route = node.routes[int(path[1])]
+        return " / ".join(x for x in (route.intent, route.key) if x)
+    if isinstance(node, MenuNode) and field == "options":
+        return f"key {node.options[int(path[1])].key}"
+    if isinstance(node, AgentNode) and field == "tools":
+        return node.tools[int(path[1])].name
+    if field in ("cases", "exit_when"):
+        return f"case {int(path[1]) + 1}"
+    return "" if field == "next" else str(field)
+
+
+def _all_edges(flow: Flow) -> list[tuple[str, str, str]]:
+    out = []
+    for name, node in flow.nodes.items():
+        for path, target in edges(node):
+            out.append((name, target, edge_label(node, path)))
+    return out
+
+
+def _uses_hangup_target(flow: Flow) -> bool:
+    return any(target == "hangup" for _, target, _ in _all_edges(flow))
+
+
+def to_mermaid(flow: Flow) -> str:
+    lines = ["flowchart TD", f"  start((start)) --> {_mid(flow.start)}"]
+    for name, node in flow.nodes.items():
+        lines.append(f'  {_mid(name)}["{name}<br/><i>{node.kind}</i>"]')
+    if _uses_hangup_target(flow):
+        lines.append("  hangup((hang up))")
+    for source, target, label in _all_edges(flow):
+        arrow = f' -- "{label}" --> ' if label else " --> "
+        lines.append(f"  {_mid(source)}{arrow}{_mid(target)}")
+    return "\n".join(lines) + "\n"
+
+
+def to_dot(flow: Flow) -> str:
+    lines = [f'digraph "{flow.name}" {{', "  rankdir=TB;", '  start [shape=circle, label="start"];']
+    for name, node in flow.nodes.items():
+        shape = "diamond" if node.kind == "branch" else "box"
+        lines.append(f'  "{name}" [shape={shape}, label="{name}\\n({node.kind})"];')
+    if _uses_hangup_target(flow):
+        lines.append('  "hangup" [shape=doublecircle, label="hang up"];')
+    lines.append(f'  start -> "{flow.start}";')
+    for source, target, label in _all_edges(flow):
+        attr = f' [label="{label}"]' if label else ""
+        lines.append(f'  "{source}" -> "{target}"{attr};')
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def _mid(name: str) -> str:
+    """Mermaid ids cannot contain '-' in all renderers, and 'end' is reserved."""
+    return "n_" + name.replace("-", "_")

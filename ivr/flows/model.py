@@ -1,0 +1,360 @@
+"""The call-flow file format: what operators write in ``flows/*.yaml``, as pydantic models.
+
+A flow is a graph of named nodes. Each node has a ``kind``; edges are node names in fields such
+as ``next``, ``fallback``, ``on_error`` and per-option ``next``. Text fields are templates
+(see ``ivr.flows.template``). ``Flow.model_json_schema()`` is what ``ivr flows schema`` prints.
+
+References (targets, intents, variables, knowledge files) are checked by ``ivr.flows.validate``,
+not here: pydantic only checks the shape, so every error can name its file, line and column.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
+VarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+# Targets every flow may use without declaring them: end the call.
+BUILTIN_TARGETS = ("hangup",)
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- conditions
+
+
+class Condition(Spec):
+    """A test on one variable. Exactly one operator besides ``var`` must be given.
+
+    No expressions are evaluated: the operators are fixed and compare plain values.
+    """
+
+    var: str = Field(description="Variable name (dotted path allowed: account.status).")
+    equals: Any = None
+    not_equals: Any = None
+    in_: list[Any] | None = Field(default=None, alias="in")
+    exists: bool | None = None
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    contains: str | None = Field(default=None, description="Case-insensitive substring test.")
+    matches: str | None = Field(default=None, description="Regular expression, full match.")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_operator(self) -> Condition:
+        ops = [op for op in OPERATORS if op in self.model_fields_set or _alias_set(self, op)]
+        if len(ops) != 1:
+            raise ValueError(
+                f"a condition needs exactly one operator of {', '.join(OPERATORS)}; "
+                f"got {ops or 'none'}"
+            )
+        if self.matches is not None:
+            try:
+                re.compile(self.matches)
+            except re.error as exc:
+                raise ValueError(f"bad regular expression {self.matches!r}: {exc}") from exc
+        return self
+
+    @property
+    def operator(self) -> str:
+        return next(op for op in OPERATORS if op in self.model_fields_set or _alias_set(self, op))
+
+
+OPERATORS = ("equals", "not_equals", "in", "exists", "gt", "ge", "lt", "le", "contains", "matches")
+
+
+def _alias_set(cond: Condition, op: str) -> bool:
+    return op == "in" and "in_" in cond.model_fields_set
+
+
+class Case(Spec):
+    when: Condition | list[Condition] = Field(
+        description="One condition, or a list that must all hold."
+    )
+    next: str
+
+    @property
+    def conditions(self) -> list[Condition]:
+        return self.when if isinstance(self.when, list) else [self.when]
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class DtmfSpec(Spec):
+    num_digits: int | None = Field(default=None, ge=1, le=32)
+    finish_on_key: Literal["#", "*", ""] = "#"
+    inter_digit_timeout: float = Field(default=3.0, gt=0, le=30)
+
+
+class HttpCall(Spec):
+    """An HTTP request; string values anywhere in it are templates."""
+
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "GET"
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    json_body: Any = Field(default=None, alias="json")
+    timeout: float = Field(default=5.0, gt=0, le=60)
+    map: dict[VarName, str] = Field(
+        default_factory=dict,
+        description="variable -> dotted path in the JSON answer (e.g. data.items.0.name).",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Route(Spec):
+    """One way out of an ``ask`` node: an intent (by phrases / LLM) and/or a DTMF key."""
+
+    intent: str | None = None
+    key: str | None = Field(default=None, pattern=r"^[0-9*#]+$")
+    next: str
+
+    @model_validator(mode="after")
+    def _intent_or_key(self) -> Route:
+        if self.intent is None and self.key is None:
+            raise ValueError("a route needs an 'intent', a 'key', or both")
+        return self
+
+
+class Extract(Spec):
+    """Slots the LLM extracts from the answer (structured output); each field is a variable."""
+
+    schema_: dict[str, Any] = Field(alias="schema", description="JSON Schema of an object.")
+    required: bool = Field(
+        default=True, description="If the schema's required fields are missing, treat as no match."
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "object" or not isinstance(value.get("properties"), dict):
+            raise ValueError("extract.schema must be {type: object, properties: {...}}")
+        return value
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self.schema_["properties"])
+
+
+class Intent(Spec):
+    description: str = ""
+    examples: list[str] = Field(default_factory=list, description="Phrases that select it.")
+
+
+class EnvVar(Spec):
+    env: str
+    default: Any = None
+
+
+class Defaults(Spec):
+    no_input_timeout: float = Field(default=6.0, gt=0, le=60)
+    max_retries: int = Field(default=2, ge=0, le=10)
+    no_input_prompt: str = "Sorry, I didn't hear anything."
+    no_match_prompt: str = "Sorry, I didn't get that."
+    error_prompt: str = "Sorry, something went wrong on our side."
+
+
+# ---------------------------------------------------------------- nodes
+
+
+class NodeBase(Spec):
+    description: str = ""
+
+
+class SayNode(NodeBase):
+    kind: Literal["say"]
+    text: str
+    interruptible: bool = True
+    next: str | None = None
+
+
+class _InputNode(NodeBase):
+    prompt: str
+    interruptible: bool = True
+    speech: bool = True
+    dtmf: bool = True
+    digits: DtmfSpec = Field(default_factory=DtmfSpec)
+    no_input_timeout: float | None = Field(default=None, gt=0, le=60)
+    no_input_prompt: str | None = None
+    no_match_prompt: str | None = None
+    max_retries: int | None = Field(default=None, ge=0, le=10)
+    fallback: str = Field(default="hangup", description="Where to go after the retries run out.")
+    store: VarName | None = Field(default=None, description="Variable that receives the answer.")
+
+
+class AskNode(_InputNode):
+    kind: Literal["ask"]
+    routes: list[Route] = Field(default_factory=list)
+    classify: bool = Field(
+        default=False, description="Ask the LLM for the intent when no example phrase matches."
+    )
+    extract: Extract | None = None
+    pattern: str | None = Field(default=None, description="Regex the raw answer must fully match.")
+    next: str | None = Field(default=None, description="Where to go when no route applies.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"bad regular expression {value!r}: {exc}") from exc
+        return value
+
+
+class MenuOption(Spec):
+    key: str = Field(pattern=r"^[0-9*#]$")
+    say: list[str] = Field(default_factory=list, description="Phrases that pick this option.")
+    next: str
+
+
+class MenuNode(_InputNode):
+    kind: Literal["menu"]
+    options: list[MenuOption] = Field(min_length=1)
+
+
+class AgentTool(Spec):
+    """A function the agent may call. Its effect is declared, never code."""
+
+    name: VarName
+    description: str
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON Schema of the arguments; arguments are validated before use.",
+    )
+    set: dict[VarName, Any] = Field(
+        default_factory=dict, description="Variables to set; templates may use {{ args.NAME }}."
+    )
+    http: HttpCall | None = Field(default=None, description="Request whose JSON goes to the model.")
+    next: str | None = Field(default=None, description="Leave the agent for this node (handoff).")
+    result: str = Field(default="done", description="Tool result text given to the model.")
+
+
+class AgentNode(NodeBase):
+    kind: Literal["agent"]
+    system: str
+    knowledge: list[str] = Field(
+        default_factory=list, description="Files (relative to the flow file) put into context."
+    )
+    knowledge_text: str = ""
+    greeting: str | None = Field(default=None, description="Said when the node is entered.")
+    tools: list[AgentTool] = Field(default_factory=list)
+    respond_immediately: bool = Field(
+        default=False,
+        description="On entry, answer the conversation so far without waiting (for handoffs).",
+    )
+    history: Literal["keep", "reset"] = Field(
+        default="keep", description="keep: the conversation so far carries over (handoff)."
+    )
+    exit_when: list[Case] = Field(
+        default_factory=list, description="Checked after every agent turn; first match leaves."
+    )
+    max_turns: int | None = Field(default=None, ge=1, le=200)
+    on_max_turns: str | None = None
+    no_input_timeout: float | None = Field(default=None, gt=0, le=60)
+    no_input_prompt: str | None = None
+    max_no_input: int = Field(default=2, ge=0, le=10)
+    on_no_input: str = "hangup"
+    on_error: str | None = Field(default=None, description="Where to go if the LLM fails.")
+    interruptible: bool = True
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _max_turns_target(self) -> AgentNode:
+        if self.max_turns is not None and self.on_max_turns is None:
+            raise ValueError("max_turns needs on_max_turns: the node to go to when it is reached")
+        return self
+
+
+class BranchNode(NodeBase):
+    kind: Literal["branch"]
+    cases: list[Case] = Field(min_length=1)
+    default: str | None = None
+
+
+class SetNode(NodeBase):
+    kind: Literal["set"]
+    values: dict[VarName, Any]
+    next: str | None = None
+
+
+class HttpNode(NodeBase):
+    kind: Literal["http"]
+    request: HttpCall
+    next: str | None = None
+    on_error: str | None = None
+
+
+class TransferNode(NodeBase):
+    kind: Literal["transfer"]
+    number: str
+    say: str | None = None
+
+
+class HangupNode(NodeBase):
+    kind: Literal["hangup"]
+    say: str | None = None
+
+
+class GotoNode(NodeBase):
+    kind: Literal["goto"]
+    next: str | None = None
+
+
+Node = Annotated[
+    SayNode
+    | AskNode
+    | MenuNode
+    | AgentNode
+    | BranchNode
+    | SetNode
+    | HttpNode
+    | TransferNode
+    | HangupNode
+    | GotoNode,
+    Field(discriminator="kind"),
+]
+
+INPUT_KINDS = frozenset({"ask", "menu", "agent"})
+TERMINAL_KINDS = frozenset({"transfer", "hangup"})
+
+
+class Flow(Spec):
+    """One call flow file."""
+
+    name: VarName
+    description: str = ""
+    numbers: list[str] = Field(default_factory=list, description="Called numbers it answers.")
+    start: str
+    variables: dict[VarName, Annotated[EnvVar | Any, Field(union_mode="left_to_right")]] = Field(
+        default_factory=dict,
+        description="Call variables and their start values; {env: NAME, default: x} reads the "
+        "environment when the call starts.",
+    )
+    intents: dict[VarName, Intent] = Field(default_factory=dict)
+    defaults: Defaults = Field(default_factory=Defaults)
+    resume_prompt: str | None = Field(
+        default=None, description="Said first when a call resumes on another instance."
+    )
+    nodes: dict[NodeName, Node] = Field(min_length=1)
+
+    # Filled by the loader, not written by operators.
+    source: SkipJsonSchema[str] = Field(default="", exclude=True)
+    version: SkipJsonSchema[str] = Field(default="", exclude=True)
+
+    def node(self, name: str) -> Node:
+        return self.nodes[name]

@@ -1,0 +1,217 @@
+"""All flows of a directory, routed by called number, reloaded while calls keep running.
+
+A call pins the flow version it starts with (``registry.pin(to_number)``); flows are immutable
+values, so a reload swaps the registry's table but never changes a pinned flow. A changed file
+that fails validation is refused: its problems are logged and the old version keeps serving.
+
+    flows/support.yaml, flows/sales.yaml, ...   one flow per file (``numbers:`` optional)
+    flows/routes.yaml                            optional: {default: NAME, routes: {NUMBER: NAME}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import watchfiles
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ivr.flows.loader import FlowLoadError, Problem, load_flow, parse_yaml, pydantic_problems
+from ivr.flows.model import AgentNode, AskNode, Flow, HangupNode, MenuNode, SayNode, TransferNode
+from ivr.flows.template import has_references
+
+log = structlog.get_logger("ivr.flows")
+
+ROUTES_FILE = "routes.yaml"
+OnReload = Callable[[list[Problem]], Awaitable[None]]
+
+
+class RoutesSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default: str | None = None
+    routes: dict[str, str] = Field(default_factory=dict, description="called number -> flow name")
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedFlow:
+    """The flow version a call runs from start to end, whatever reloads happen meanwhile."""
+
+    flow: Flow
+
+    @property
+    def name(self) -> str:
+        return self.flow.name
+
+    @property
+    def version(self) -> str:
+        return self.flow.version
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    flows: dict[str, Flow] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    """flow file path -> flow name"""
+    routes: dict[str, str] = field(default_factory=dict)
+    default: str | None = None
+
+
+class FlowRegistry:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._table = _Table()
+        self.refused: dict[str, list[Problem]] = {}
+        """Files whose latest version was refused, with the reasons."""
+
+    # ------------------------------------------------------------ loading
+
+    def load(self, *, strict: bool = True) -> list[Problem]:
+        """(Re)load every flow file; with ``strict`` any invalid file raises ``FlowLoadError``."""
+        problems = self.reload()
+        if strict and problems:
+            raise FlowLoadError(problems)
+        return problems
+
+    def reload(self) -> list[Problem]:
+        """Validate all files and swap in the valid ones at once; returns the refused problems."""
+        old = self._table
+        flows: dict[str, Flow] = {}
+        files: dict[str, str] = {}
+        problems: list[Problem] = []
+        refused: dict[str, list[Problem]] = {}
+        for path in self._flow_files():
+            key = str(path)
+            try:
+                flow = load_flow(path)
+            except FlowLoadError as exc:
+                refused[key] = exc.problems
+                kept = old.files.get(key)
+                if kept is not None and kept in old.flows:  # keep serving the old version
+                    flows[kept], files[key] = old.flows[kept], kept
+                continue
+            if flow.name in flows:
+                msg = (
+                    f"flow name '{flow.name}' is already used by another file; names must be unique"
+                )
+                refused[key] = [Problem(key, 1, 1, msg)]
+                continue
+            flows[flow.name], files[key] = flow, flow.name
+        routes, default, route_problems = self._routes(flows, old)
+        if route_problems:
+            refused[str(self.directory / ROUTES_FILE)] = route_problems
+        for key, items in refused.items():
+            problems += items
+            if self.refused.get(key) != items:
+                log.error("flows.refused", file=key, problems=[str(p) for p in items])
+        self._log_changes(old, flows)
+        self._table = _Table(flows, files, routes, default)  # one assignment: atomic swap
+        self.refused = refused
+        return problems
+
+    def _flow_files(self) -> list[Path]:
+        return sorted(
+            p for p in self.directory.glob("*.y*ml") if p.name != ROUTES_FILE and p.is_file()
+        )
+
+    def _routes(
+        self, flows: dict[str, Flow], old: _Table
+    ) -> tuple[dict[str, str], str | None, list[Problem]]:
+        routes: dict[str, str] = {}
+        for flow in flows.values():
+            for number in flow.numbers:
+                routes[number] = flow.name
+        default = "default" if "default" in flows else None
+        path = self.directory / ROUTES_FILE
+        if not path.exists():
+            return routes, default, []
+        try:
+            data, smap = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+            spec = RoutesSpec.model_validate(data)
+        except FlowLoadError as exc:
+            return old.routes, old.default, exc.problems
+        except ValidationError as exc:
+            return old.routes, old.default, pydantic_problems(exc, data, smap)
+        problems = []
+        for number, name in [("default", spec.default), *spec.routes.items()]:
+            if name is not None and name not in flows:
+                where = ("default",) if number == "default" else ("routes", number)
+                msg = (
+                    f"route {number} names unknown flow '{name}'; flows: {', '.join(sorted(flows))}"
+                )
+                problems.append(smap.problem(where, msg))
+        if problems:
+            return old.routes, old.default, problems
+        return {**routes, **spec.routes}, spec.default or default, []
+
+    @staticmethod
+    def _log_changes(old: _Table, flows: dict[str, Flow]) -> None:
+        for name, flow in flows.items():
+            before = old.flows.get(name)
+            if before is None or before.version != flow.version:
+                log.info("flows.loaded", flow=name, version=flow.version,
+                         previous=before.version if before else None)  # fmt: skip
+
+    async def watch(
+        self, stop: asyncio.Event | None = None, on_reload: OnReload | None = None
+    ) -> None:
+        """Reload on every change in the directory (flows, routes, knowledge files).
+
+        ``on_reload(problems)`` is awaited after each reload (e.g. to synthesise new prompts).
+        """
+        async for _changes in watchfiles.awatch(self.directory, stop_event=stop, debounce=200):
+            problems = await asyncio.to_thread(self.reload)
+            if on_reload is not None:
+                await on_reload(problems)
+
+    # ------------------------------------------------------------ lookups
+
+    def get(self, name: str) -> Flow:
+        return self._table.flows[name]
+
+    @property
+    def flows(self) -> dict[str, Flow]:
+        return dict(self._table.flows)
+
+    def flow_for_number(self, to_number: str) -> Flow:
+        table = self._table
+        name = (
+            table.routes.get(to_number) or table.routes.get(_normalize(to_number)) or table.default
+        )
+        if name is None or name not in table.flows:
+            raise LookupError(f"no flow answers {to_number} and there is no default flow")
+        return table.flows[name]
+
+    def pin(self, to_number: str) -> PinnedFlow:
+        return PinnedFlow(self.flow_for_number(to_number))
+
+    def static_prompt_texts(self) -> set[str]:
+        """Prompts without variables, for pre-synthesis (they sound the same on every call)."""
+        return {
+            t
+            for flow in self._table.flows.values()
+            for t in _prompts(flow)
+            if t and not has_references(t)
+        }
+
+
+def _normalize(number: str) -> str:
+    digits = "".join(c for c in number if c.isdigit())
+    return f"+{digits}" if digits else number
+
+
+def _prompts(flow: Flow) -> Iterator[str]:
+    d = flow.defaults
+    yield from (d.no_input_prompt, d.no_match_prompt, d.error_prompt, flow.resume_prompt or "")
+    for node in flow.nodes.values():
+        if isinstance(node, SayNode):
+            yield node.text
+        elif isinstance(node, AskNode | MenuNode):
+            yield from (node.prompt, node.no_input_prompt or "", node.no_match_prompt or "")
+        elif isinstance(node, AgentNode):
+            yield from (node.greeting or "", node.no_input_prompt or "")
+        elif isinstance(node, TransferNode | HangupNode):
+            yield node.say or ""

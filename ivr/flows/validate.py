@@ -1,0 +1,394 @@
+"""Checks beyond shape: every reference resolves and the graph can always make progress.
+
+* targets (``next``, ``fallback``, ``on_error``, route/option/case/tool ``next``) name real nodes
+* intents used by routes are declared; template variables are ones the flow can set
+* knowledge files exist; menu keys are unique; tool argument schemas are objects
+* graph: no unreachable node, no dead end, no cycle that never waits for the caller
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ivr.flows import template
+from ivr.flows.loader import Path_, Problem, SourceMap
+from ivr.flows.model import (
+    BUILTIN_TARGETS,
+    INPUT_KINDS,
+    AgentNode,
+    AskNode,
+    BranchNode,
+    Flow,
+    GotoNode,
+    HttpNode,
+    MenuNode,
+    Node,
+    SayNode,
+    SetNode,
+)
+
+BUILTIN_VARIABLES = (
+    "caller",
+    "called",
+    "call_sid",
+    "last_input",
+    "last_intent",
+    "http_status",
+    "http_error",
+)
+# Keys whose string values are names, phrases or schemas, never templates.
+_NOT_TEMPLATES = frozenset(
+    {
+        "kind", "next", "fallback", "on_error", "on_max_turns", "on_no_input", "default",
+        "description", "name", "key", "intent", "pattern", "var", "parameters", "schema",
+        "knowledge", "knowledge_text", "store", "matches", "method", "history", "map",
+        "examples", "equals", "not_equals", "in", "contains", "when", "options", "routes",
+        "exit_when", "cases", "tools", "result",
+    }
+)  # fmt: skip
+
+
+def edges(node: Node) -> Iterator[tuple[Path_, str]]:
+    """Every target a node can go to, with the path of the field naming it."""
+    if isinstance(node, SayNode | SetNode | GotoNode) and node.next is not None:
+        yield ("next",), node.next
+    if isinstance(node, AskNode | MenuNode):
+        yield ("fallback",), node.fallback
+    if isinstance(node, AskNode):
+        for i, route in enumerate(node.routes):
+            yield ("routes", i, "next"), route.next
+        if node.next is not None:
+            yield ("next",), node.next
+    if isinstance(node, MenuNode):
+        for i, option in enumerate(node.options):
+            yield ("options", i, "next"), option.next
+    if isinstance(node, BranchNode):
+        for i, case in enumerate(node.cases):
+            yield ("cases", i, "next"), case.next
+        if node.default is not None:
+            yield ("default",), node.default
+    if isinstance(node, HttpNode):
+        for name in ("next", "on_error"):
+            if getattr(node, name) is not None:
+                yield (name,), getattr(node, name)
+    if isinstance(node, AgentNode):
+        yield from _agent_edges(node)
+
+
+def _agent_edges(node: AgentNode) -> Iterator[tuple[Path_, str]]:
+    for i, tool in enumerate(node.tools):
+        if tool.next is not None:
+            yield ("tools", i, "next"), tool.next
+    for i, case in enumerate(node.exit_when):
+        yield ("exit_when", i, "next"), case.next
+    for name in ("on_max_turns", "on_no_input", "on_error"):
+        if getattr(node, name) is not None:
+            yield (name,), getattr(node, name)
+
+
+def read_knowledge(
+    flow: Flow, smap: SourceMap, base_dir: Path
+) -> tuple[Flow, list[Problem], list[bytes]]:
+    """Put each agent's knowledge files into ``knowledge_text`` (read once, at load)."""
+    problems: list[Problem] = []
+    contents: list[bytes] = []
+    nodes = dict(flow.nodes)
+    for name, node in flow.nodes.items():
+        if not isinstance(node, AgentNode) or not node.knowledge:
+            continue
+        texts = [node.knowledge_text] if node.knowledge_text else []
+        for i, rel in enumerate(node.knowledge):
+            path = base_dir / rel
+            try:
+                raw = path.read_bytes()
+                texts.append(raw.decode("utf-8"))
+                contents.append(raw)
+            except (OSError, UnicodeDecodeError) as exc:
+                msg = (
+                    f"cannot read knowledge file '{rel}' of node '{name}' ({exc}); "
+                    "paths are relative to the flow file"
+                )
+                problems.append(smap.problem(("nodes", name, "knowledge", i), msg))
+        nodes[name] = node.model_copy(update={"knowledge_text": "\n\n".join(texts)})
+    return flow.model_copy(update={"nodes": nodes}), problems, contents
+
+
+def check_flow(flow: Flow, data: dict[str, Any], smap: SourceMap) -> list[Problem]:
+    problems = _check_targets(flow, smap)
+    problems += _check_nodes(flow, smap)
+    problems += _check_variables(flow, data, smap)
+    problems += _check_graph(flow, smap)
+    return problems
+
+
+def _unknown_target(flow: Flow, target: str, where: str) -> str:
+    known = sorted(flow.nodes)
+    close = difflib.get_close_matches(target, known, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown target '{target}' {where}; {hint}known nodes: {', '.join(known)} (or hangup)"
+
+
+def _check_targets(flow: Flow, smap: SourceMap) -> list[Problem]:
+    problems = []
+    if flow.start not in flow.nodes:
+        msg = _unknown_target(flow, flow.start, "in 'start'")
+        problems.append(smap.problem(("start",), msg))
+    for name, node in flow.nodes.items():
+        for path, target in edges(node):
+            if target not in flow.nodes and target not in BUILTIN_TARGETS:
+                msg = _unknown_target(flow, target, f"in node '{name}'")
+                problems.append(smap.problem(("nodes", name, *path), msg))
+    return problems
+
+
+def _check_nodes(flow: Flow, smap: SourceMap) -> list[Problem]:
+    problems: list[Problem] = []
+    for name, node in flow.nodes.items():
+        at = ("nodes", name)
+        if isinstance(node, AskNode | MenuNode) and not (node.speech or node.dtmf):
+            problems.append(smap.problem(at, f"node '{name}' accepts neither speech nor dtmf"))
+        if isinstance(node, AskNode):
+            problems += _check_ask(flow, name, node, smap)
+        if isinstance(node, MenuNode):
+            keys = [o.key for o in node.options]
+            for i, option in enumerate(node.options):
+                if keys.index(option.key) != i:
+                    msg = f"key '{option.key}' is used twice in menu '{name}'"
+                    problems.append(smap.problem((*at, "options", i, "key"), msg))
+        if isinstance(node, AgentNode):
+            problems += _check_agent(name, node, smap)
+    return problems
+
+
+def _check_ask(flow: Flow, name: str, node: AskNode, smap: SourceMap) -> list[Problem]:
+    problems = []
+    for i, route in enumerate(node.routes):
+        if route.intent is not None and route.intent not in flow.intents:
+            known = ", ".join(sorted(flow.intents)) or "none declared"
+            msg = (
+                f"unknown intent '{route.intent}' in node '{name}'; "
+                f"add it under 'intents:' (known: {known})"
+            )
+            problems.append(smap.problem(("nodes", name, "routes", i, "intent"), msg))
+    if node.classify and not any(r.intent for r in node.routes):
+        msg = f"node '{name}' has classify: true but no route with an intent to classify into"
+        problems.append(smap.problem(("nodes", name, "classify"), msg))
+    return problems
+
+
+def _check_agent(name: str, node: AgentNode, smap: SourceMap) -> list[Problem]:
+    problems = []
+    seen: set[str] = set()
+    for i, tool in enumerate(node.tools):
+        at = ("nodes", name, "tools", i)
+        if tool.name in seen:
+            problems.append(smap.problem((*at, "name"), f"tool '{tool.name}' is declared twice"))
+        seen.add(tool.name)
+        params = tool.parameters
+        if params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
+            msg = (
+                f"parameters of tool '{tool.name}' must be a JSON Schema "
+                "{type: object, properties: ...}"
+            )
+            problems.append(smap.problem((*at, "parameters"), msg))
+    return problems
+
+
+# ---------------------------------------------------------------- variables
+
+
+def known_variables(flow: Flow) -> set[str]:
+    names = set(BUILTIN_VARIABLES) | set(flow.variables)
+    for node in flow.nodes.values():
+        if isinstance(node, AskNode | MenuNode) and node.store:
+            names.add(node.store)
+        if isinstance(node, AskNode) and node.extract is not None:
+            names.update(node.extract.fields)
+        if isinstance(node, SetNode):
+            names.update(node.values)
+        if isinstance(node, HttpNode):
+            names.update(node.request.map)
+        if isinstance(node, AgentNode):
+            for tool in node.tools:
+                names.update(tool.set)
+                if tool.http is not None:
+                    names.update(tool.http.map)
+    return names
+
+
+def _check_variables(flow: Flow, data: dict[str, Any], smap: SourceMap) -> list[Problem]:
+    known = known_variables(flow)
+    problems = []
+    for path, text, args in _template_strings(flow, data):
+        try:
+            refs = template.references(text)
+        except template.TemplateSyntaxError as exc:
+            problems.append(smap.problem(path, str(exc)))
+            continue
+        for ref in refs:
+            root, _, rest = ref.partition(".")
+            if root == "args" and args is not None:
+                if rest.split(".")[0] not in args:
+                    names = ", ".join(sorted(args)) or "none"
+                    msg = f"unknown tool argument '{ref}'; the tool's parameters are: {names}"
+                    problems.append(smap.problem(path, msg))
+            elif root not in known:
+                problems.append(smap.problem(path, _unknown_var(ref, known)))
+    for path, var in _condition_vars(flow):
+        if var.split(".")[0] not in known:
+            problems.append(smap.problem(path, _unknown_var(var, known)))
+    return problems
+
+
+def _unknown_var(ref: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(ref.split(".")[0], sorted(known), n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (
+        f"unknown variable '{ref}'; {hint}declare it under 'variables:' or set it in a node "
+        f"(store/set/map/extract); known: {', '.join(sorted(known))}"
+    )
+
+
+def _template_strings(
+    flow: Flow, data: dict[str, Any]
+) -> Iterator[tuple[Path_, str, set[str] | None]]:
+    """(path, text, tool-argument names or None) for every template string in the flow."""
+    for key in ("resume_prompt",):
+        if isinstance(data.get(key), str):
+            yield (key,), data[key], None
+    for path, text in template.strings_in(data.get("defaults", {})):
+        yield ("defaults", *path), text, None
+    nodes = data.get("nodes", {})
+    for name, raw in nodes.items():
+        yield from _walk_templates(raw, ("nodes", name), None)
+        node = flow.nodes[name]
+        if isinstance(node, AgentNode):
+            for i, tool in enumerate(node.tools):
+                args = set(tool.parameters.get("properties", {}))
+                raw_tool = raw["tools"][i]
+                for part in ("set", "http"):
+                    if part in raw_tool:
+                        yield from _walk_templates(
+                            raw_tool[part], ("nodes", name, "tools", i, part), args
+                        )
+
+
+def _walk_templates(
+    value: Any, path: Path_, args: set[str] | None
+) -> Iterator[tuple[Path_, str, set[str] | None]]:
+    if isinstance(value, str):
+        yield path, value, args
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _walk_templates(item, (*path, i), args)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in _NOT_TEMPLATES:
+                yield from _walk_templates(item, (*path, str(key)), args)
+
+
+def _condition_vars(flow: Flow) -> Iterator[tuple[Path_, str]]:
+    for name, node in flow.nodes.items():
+        cases = node.cases if isinstance(node, BranchNode) else []
+        field = "cases"
+        if isinstance(node, AgentNode):
+            cases, field = node.exit_when, "exit_when"
+        for i, case in enumerate(cases):
+            for j, cond in enumerate(case.conditions):
+                sub: Path_ = ("when", j, "var") if isinstance(case.when, list) else ("when", "var")
+                yield ("nodes", name, field, i, *sub), cond.var
+
+
+# ---------------------------------------------------------------- graph
+
+
+def _check_graph(flow: Flow, smap: SourceMap) -> list[Problem]:
+    if flow.start not in flow.nodes:
+        return []
+    problems = []
+    reachable = reachable_nodes(flow)
+    for name in flow.nodes:
+        if name not in reachable:
+            msg = f"node '{name}' is unreachable from start '{flow.start}'; link to it or delete it"
+            problems.append(smap.problem(("nodes", name), msg, key=True))
+    for name, node in flow.nodes.items():
+        reason = _dead_end(node)
+        if reason:
+            problems.append(
+                smap.problem(("nodes", name), f"node '{name}' is a dead end: {reason}", key=True)
+            )
+    for cycle in input_free_cycles(flow):
+        msg = (
+            f"loop without any input step through {', '.join(cycle)}: the call would spin "
+            "forever without the caller; put an ask, menu or agent node in the loop"
+        )
+        problems.append(smap.problem(("nodes", cycle[0]), msg, key=True))
+    return problems
+
+
+def reachable_nodes(flow: Flow) -> set[str]:
+    seen = {flow.start}
+    todo = [flow.start]
+    while todo:
+        node = flow.nodes.get(todo.pop())
+        if node is None:
+            continue
+        for _, target in edges(node):
+            if target in flow.nodes and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _dead_end(node: Node) -> str:
+    if isinstance(node, SayNode | SetNode | GotoNode) and node.next is None:
+        return "add 'next:' (or end the call with a hangup node)"
+    if isinstance(node, HttpNode) and (node.next is None or node.on_error is None):
+        return "an http node needs both 'next:' and 'on_error:'"
+    if isinstance(node, BranchNode) and node.default is None:
+        return "add 'default:' for when no case matches"
+    if isinstance(node, AskNode) and node.next is None and not node.routes:
+        return "add 'routes:' or 'next:'"
+    return ""
+
+
+def input_free_cycles(flow: Flow) -> list[list[str]]:
+    """Strongly connected groups of nodes that never wait for the caller (Tarjan)."""
+    graph = {
+        name: [
+            t for _, t in edges(node) if t in flow.nodes and flow.nodes[t].kind not in INPUT_KINDS
+        ]
+        for name, node in flow.nodes.items()
+        if node.kind not in INPUT_KINDS
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                cycles.append(sorted(group))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return cycles

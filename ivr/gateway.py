@@ -36,7 +36,7 @@ class Conversation(Protocol):
     def __call__(self, io: CallIO, record: CallRecord) -> Coroutine[Any, Any, None]: ...
 
 
-def _instance_id() -> str:
+def new_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
@@ -51,7 +51,7 @@ class Gateway:
         llm: LanguageModel | None = None,
     ) -> None:
         self.settings = settings
-        self.instance_id = settings.instance_id or _instance_id()
+        self.instance_id = settings.instance_id or new_instance_id()
         self.store = store
         self.stt = stt or build_stt(settings)
         self.tts = tts or build_tts(settings)

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from ivr.app import create_app
 from ivr.config import Settings
 from ivr.conversation import attach_flows
-from ivr.gateway import Gateway
+from ivr.gateway import Gateway, new_instance_id
 from ivr.llm.base import LanguageModel
 from ivr.obs.logging import configure_logging
 from ivr.state.base import CallStore
@@ -46,8 +46,9 @@ def build_gateway(
     tts: TextToSpeech | None = None,
     llm: LanguageModel | None = None,
 ) -> Gateway:
-    instance_id = settings.instance_id
-    store = build_store(settings, instance_id or "")
+    if not settings.instance_id:
+        settings = settings.model_copy(update={"instance_id": new_instance_id()})
+    store = build_store(settings, settings.instance_id)
     gateway = Gateway(settings, store=store, stt=stt, tts=tts, llm=llm)
     attach_flows(gateway)
     return gateway

@@ -82,7 +82,9 @@ class AudioPlayer:
         chunk_frames: int = 5,
         max_buffered_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_first_media: Callable[[float], None] | None = None,
     ) -> None:
+        self._on_first_media = on_first_media
         self._send_media = send_media
         self._send_mark = send_mark
         self._send_clear = send_clear
@@ -240,6 +242,9 @@ class AudioPlayer:
             if segment.first_sent_at is None:
                 segment.first_sent_at = now
                 segment.play_start = start
+            if self._on_first_media is not None:
+                self._on_first_media(now)
+                self._on_first_media = None
             self._playout_end = start + len(chunk) / BYTES_PER_SECOND
             await self._send_media(chunk)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -102,13 +103,20 @@ async def _wait_for_start(ws: WebSocket) -> Start:
 
 
 async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Outcome) -> None:
+    started = time.monotonic()
     record = await _attach(gateway, start)
+
+    def first_media(sent_at: float) -> None:
+        metrics.FIRST_AUDIO.observe(sent_at - started)
+        log.info("call.first_audio", seconds=round(sent_at - started, 4))
+
     send = ws.send_text  # only the player sends, under its own lock
     player = AudioPlayer(
         send_media=lambda ulaw: send(twilio.media_message(start.stream_sid, ulaw)),
         send_mark=lambda name: send(twilio.mark_message(start.stream_sid, name)),
         send_clear=lambda: send(twilio.clear_message(start.stream_sid)),
         lead_seconds=gateway.settings.playout_lead_ms / 1000,
+        on_first_media=first_media,
     )
     settings = gateway.settings
     vad = (

@@ -39,6 +39,11 @@ GATEWAY_OVERHEAD = Histogram(
     "Turn latency not spent in providers or endpoint silence: what the gateway itself adds.",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
 )
+FIRST_AUDIO = Histogram(
+    "ivr_stream_first_audio_seconds",
+    "Stream start to the first bot audio sent (the greeting, or the resume prompt).",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
 PROVIDER_ERRORS = Counter(
     "ivr_provider_errors_total", "Provider failures.", ["stage", "provider", "kind"]
 )

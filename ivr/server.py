@@ -80,7 +80,13 @@ async def running_server(
     port = port or free_port(host)
     app = create_app(gateway)
     config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, lifespan="on", ws="websockets"
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        ws="websockets-sansio",
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
@@ -108,7 +114,7 @@ async def serve(host: str | None = None, port: int | None = None) -> int:
         log_config=None,
         access_log=False,
         proxy_headers=True,
-        ws="websockets",
+        ws="websockets-sansio",
     )
     await uvicorn.Server(config).serve()
     return 0

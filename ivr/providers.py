@@ -6,9 +6,11 @@ provider is configured, so a fresh machine answers calls with no account and no 
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from ivr.config import Settings
 from ivr.llm.base import LanguageModel
-from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.llm.openai_compat import REASONING_OFF, OpenAICompatLlm
 from ivr.stt.base import SpeechToText
 from ivr.tts.base import TextToSpeech
 
@@ -50,8 +52,15 @@ def build_tts(settings: Settings) -> TextToSpeech:
     return LocalPiperTts()
 
 
+# Hosts known to accept `reasoning_effort: none` (thinking off for voice). Others may reject an
+# unknown field with 422, so they get a plain request (Gemma 4 does not think unless asked).
+REASONING_OFF_HOSTS = ("api.cerebras.ai", "router.huggingface.co")
+
+
 def build_llm(settings: Settings, *, base_url: str, api_key: str, model: str) -> LanguageModel:
+    host = urlsplit(base_url).hostname or ""
     return OpenAICompatLlm(
+        extra_body=REASONING_OFF if host in REASONING_OFF_HOSTS else None,
         base_url=base_url,
         api_key=api_key or "none",
         model=model,

@@ -247,6 +247,18 @@ async def test_the_default_request_carries_no_provider_specific_fields(srv):
     assert set(sent) == {"model", "messages", "stream", "temperature", "max_tokens"}
 
 
+async def test_a_strict_server_refuses_unknown_fields_with_a_non_retryable_422(srv):
+    srv.chat_fields = frozenset(
+        {"model", "messages", "stream", "temperature", "max_tokens", "reasoning_effort"}
+    )
+    assert await collect(make_llm(srv), USER)
+    assert await collect(make_llm(srv, extra_body=REASONING_OFF), USER)
+    with pytest.raises(ProviderStatusError) as info:
+        await collect(make_llm(srv, extra_body=CHAT_TEMPLATE_NO_THINKING), USER)
+    assert info.value.status == 422 and not info.value.retryable
+    assert "chat_template_kwargs" in str(info.value)
+
+
 async def test_closing_the_reply_early_closes_the_http_stream(srv):
     srv.chat = ChatScript(text=" ".join(["word"] * 50), token_delay=0.03)
     llm = make_llm(srv)
@@ -535,3 +547,18 @@ def test_a_hanging_handler_does_not_block_shutdown():
     assert time.monotonic() - started < 3
     worker.join(5)
     assert not worker.is_alive()
+
+
+def test_thinking_is_switched_off_only_where_the_api_accepts_it() -> None:
+    from ivr.config import Settings
+    from ivr.providers import build_llm
+
+    settings = Settings(llm_api_key="k")
+    for url, expected in [
+        ("https://api.cerebras.ai/v1", {"reasoning_effort": "none"}),
+        ("https://router.huggingface.co/v1", {"reasoning_effort": "none"}),
+        ("http://127.0.0.1:8000/v1", None),
+    ]:
+        llm = build_llm(settings, base_url=url, api_key="k", model="m")
+        params = llm.request_params([], tools=(), json_schema=None, max_tokens=None)  # type: ignore[attr-defined]
+        assert params.get("extra_body") == expected, url

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -230,6 +231,9 @@ class FakeOpenAIServer:
         self.speech_chunk_delay = 0.0
         self.faults: dict[str, Fault] = {}
         """Per endpoint: ``models``, ``chat``, ``transcriptions``, ``speech``."""
+        self.chat_fields: frozenset[str] | None = None
+        """When set, chat requests with other top-level fields get HTTP 422, the way Cerebras
+        validates bodies (most servers, and the default here, ignore unknown fields)."""
         self.requests: list[RecordedRequest] = []
         with self._lock:
             self._script_queue: collections.deque[ChatScript] | None = None
@@ -244,7 +248,9 @@ class FakeOpenAIServer:
     def start(self) -> FakeOpenAIServer:
         if self._thread is not None:
             raise RuntimeError("FakeOpenAIServer already started")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say so,
+        # and without it every keep-alive response stalls ~40 ms on Nagle + delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
@@ -354,11 +360,14 @@ class FakeOpenAIServer:
         await self._stopping.wait()
 
     async def _sleep(self, seconds: float) -> None:
-        """A scripted delay that ends early when the server stops."""
-        if seconds > 0:
-            assert self._stopping is not None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), seconds)
+        """A scripted delay that ends early when the server stops. Even a zero delay yields to
+        the loop, so a client that left is noticed before more chunks are written."""
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        assert self._stopping is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     def _take_fault(self, endpoint: str) -> Fault | None:
         with self._lock:
@@ -423,6 +432,8 @@ class FakeOpenAIServer:
         if (early := await self._precheck("chat", request)) is not None:
             return self._finish(rec, early)
         body = rec.json or {}
+        if self.chat_fields is not None and (unknown := sorted(set(body) - self.chat_fields)):
+            return self._finish(rec, _unsupported_field(unknown[0]))
         if not isinstance(body.get("messages"), list) or not body.get("model"):
             return self._finish(rec, openai_error(400, "'model' and 'messages' are required"))
         script = await asyncio.to_thread(self._next_chat_script, body)
@@ -625,6 +636,17 @@ def _completion(body: Mapping[str, Any], script: ChatScript) -> JsonDict:
     }
 
 
+def _unsupported_field(name: str) -> JSONResponse:
+    """Cerebras' answer to a body field it does not know (its error object is not nested)."""
+    body = {
+        "message": f"body.{name}: property 'body.{name}' is unsupported",
+        "type": "invalid_request_error",
+        "param": "validation_error",
+        "code": "wrong_api_format",
+    }
+    return JSONResponse(body, status_code=422)
+
+
 def _check_json_mode(body: Mapping[str, Any], script: ChatScript) -> str | None:
     """With ``json_schema`` a real model can only emit JSON; a script that does not is a bug."""
     fmt = body.get("response_format") or {}
@@ -651,10 +673,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     server = FakeOpenAIServer(api_key=args.api_key, host=args.host, port=args.port)
     delays = {"first_token_delay": args.first_token_delay, "token_delay": args.token_delay}
     server.chat = lambda request: replace(echo_script(request), **delays)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
     with server:
         print(f"fake OpenAI server on {server.base_url} (Ctrl-C to stop)", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        done.wait()
 
 
 if __name__ == "__main__":

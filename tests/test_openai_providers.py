@@ -30,7 +30,7 @@ from ivr.testing.openai_server import (
     ScriptToolCall,
     default_speak,
 )
-from ivr.testing.wav import wav_to_pcm16
+from ivr.audio.wav import wav_to_pcm16
 from ivr.tts.openai_http import OpenAIHttpTts
 
 KEY = "sk-test-key"

@@ -4,25 +4,13 @@ faster-whisper-server, vLLM ...): one finished utterance goes up as a WAV file, 
 from __future__ import annotations
 
 import asyncio
-import io
 import time
-import wave
 
 import openai
 
+from ivr.audio.wav import pcm16_to_wav
 from ivr.errors import ProviderError, ProviderStatusError, ProviderTimeout
 from ivr.stt.base import Transcript
-
-
-def pcm16_wav(pcm16: bytes, sample_rate: int) -> bytes:
-    """Mono PCM16 wrapped in a RIFF/WAVE container, the upload format every server accepts."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(sample_rate)
-        out.writeframes(pcm16)
-    return buf.getvalue()
 
 
 class OpenAIHttpStt:
@@ -62,7 +50,7 @@ class OpenAIHttpStt:
         started = time.perf_counter()
         if not pcm16:
             return Transcript(text="", seconds=0.0)
-        wav = pcm16_wav(pcm16, self.sample_rate)
+        wav = pcm16_to_wav(pcm16, self.sample_rate)
         try:
             async with asyncio.timeout(self.timeout):
                 result = await self._client.audio.transcriptions.create(

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ivr.testing.wav import wav_to_pcm16
+from ivr.audio.wav import wav_to_pcm16
 
 SPEECH_RATE = 24_000
 """OpenAI's ``pcm`` speech format: 24 kHz, mono, signed 16-bit little-endian."""

@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     tts_timeout: float = 10.0
 
     # Silero (neural) ignores hiss and comfort noise that WebRTC's GMM hears as speech for
-    # seconds after a turn; WebRTC costs ~10x less CPU. Both run at 8 kHz.
+    # seconds after a turn. "silero" runs it only when a permissive WebRTC gate hears something
+    # (ivr/audio/gated_vad.py), so listening to silence costs about what WebRTC alone costs.
     vad: Literal["silero", "webrtc"] = "silero"
     vad_mode: int = Field(2, ge=0, le=3)
     silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)

@@ -260,12 +260,24 @@ class CallSession:
         self, chunks: AsyncIterator[str], interruptible: bool, from_llm: bool
     ) -> Spoken:
         speech = _Speech(interruptible)
-        return await self._run_speech(speech, self._produce(chunks, speech, from_llm))
+        return await self._run_speech(
+            speech, self._produce(chunks, speech, from_llm), stale_if_caller_speaks=from_llm
+        )
 
-    async def _run_speech(self, speech: _Speech, produce: Coroutine[Any, Any, None]) -> Spoken:
+    async def _run_speech(
+        self,
+        speech: _Speech,
+        produce: Coroutine[Any, Any, None],
+        *,
+        stale_if_caller_speaks: bool = False,
+    ) -> Spoken:
         speech.turn, self._turn = self._turn, None
         self._speech = speech
         speech.producer = asyncio.ensure_future(produce)
+        if stale_if_caller_speaks and self._caller_speaking:
+            # The caller went on talking after the pause that ended their turn: this reply
+            # answers half a sentence. Drop it now; their full turn comes through listen().
+            await self._barge_in("speech")
         try:
             # wait() rather than await: a barge-in cancels the producer, not us.
             await asyncio.wait({speech.producer})

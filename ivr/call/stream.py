@@ -18,7 +18,8 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import EndpointConfig, Endpointer
-from ivr.audio.vad import SileroVad, WebRtcVad
+from ivr.audio.gated_vad import GatedSileroVad, shared_pool
+from ivr.audio.vad import WebRtcVad
 from ivr.call.player import AudioPlayer
 from ivr.call.session import CallEnd, CallSession
 from ivr.errors import ProtocolError
@@ -120,7 +121,7 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
     )
     settings = gateway.settings
     vad = (
-        SileroVad(threshold=settings.silero_threshold)
+        GatedSileroVad(shared_pool(settings.silero_threshold))
         if settings.vad == "silero"
         else WebRtcVad(settings.vad_mode)
     )
@@ -171,6 +172,8 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(vad, GatedSileroVad):
+            vad.close()
     if outcome.reason in ("stop", "disconnect"):
         session.on_hangup()
 

@@ -79,16 +79,7 @@ async def running_server(
     """Run the gateway under uvicorn in this event loop until the block exits."""
     port = port or free_port(host)
     app = create_app(gateway)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        ws="websockets-sansio",
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, host, port))
     task = asyncio.create_task(server.serve(), name="uvicorn")
     try:
         while not server.started:
@@ -107,14 +98,18 @@ async def serve(host: str | None = None, port: int | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     gateway = build_gateway(settings)
     app = create_app(gateway)
-    config = uvicorn.Config(
-        app,
-        host=host or settings.host,
-        port=port or settings.port,
-        log_config=None,
-        access_log=False,
-        proxy_headers=True,
-        ws="websockets-sansio",
-    )
-    await uvicorn.Server(config).serve()
+    await uvicorn.Server(uvicorn_config(app, host or settings.host, port or settings.port)).serve()
     return 0
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # structlog owns logging
+        access_log=False,
+        lifespan="on",
+        ws="websockets-sansio",
+        ws_per_message_deflate=False,  # mu-law barely compresses; deflate would only cost CPU
+    )

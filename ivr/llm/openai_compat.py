@@ -80,6 +80,9 @@ class OpenAICompatLlm:
             max_retries=0,  # retries are the caller's decision (ProviderError.retryable)
             timeout=openai.Timeout(total_timeout, connect=connect_timeout),
         )
+        # The SDK imports its resource modules on first attribute access (~50 ms): do it now,
+        # not inside the first caller turn on the event loop.
+        _ = self._client.chat.completions
 
     async def aclose(self) -> None:
         await self._client.close()

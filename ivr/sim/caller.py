@@ -588,7 +588,11 @@ async def _connect_stream(
     outcome = "handshake-failed"
     try:
         async with connect(
-            _rebase(url, ws_base), additional_headers=headers, open_timeout=open_s
+            # Twilio does not negotiate permessage-deflate; neither does its stand-in.
+            _rebase(url, ws_base),
+            additional_headers=headers,
+            open_timeout=open_s,
+            compression=None,
         ) as ws:
             session = _Session(line, ws, tw.ids, stream)
             info.stream_sid = session.sid

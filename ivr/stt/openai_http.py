@@ -40,6 +40,7 @@ class OpenAIHttpStt:
         self._client = openai.AsyncOpenAI(
             base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout
         )
+        _ = self._client.audio.transcriptions  # lazy SDK import, not on the first turn
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -49,6 +49,7 @@ class OpenAIHttpTts:
         self._client = openai.AsyncOpenAI(
             base_url=base_url, api_key=api_key, max_retries=0, timeout=stall_timeout
         )
+        _ = self._client.audio.speech  # lazy SDK import, not on the first turn
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -40,6 +40,11 @@ def add_commands(subparsers: Any) -> None:
     p = sub.add_parser("test", help="run YAML conversation tests in text mode")
     p.add_argument("paths", nargs="*", default=[DEFAULT_DIR], help="test files or directories")
     p.add_argument("-v", "--verbose", action="store_true", help="print every transcript")
+    p.add_argument(
+        "--audio",
+        action="store_true",
+        help="run each case as a call through the gateway's audio path (simulated Twilio caller)",
+    )
     p.set_defaults(func=cmd_test)
 
     p = sub.add_parser("schema", help="print the JSON Schema of a flow file")
@@ -94,10 +99,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_test(args: argparse.Namespace) -> int:
     from ivr.flows.testing import find_test_files, run_test_file
 
+    run_file = run_test_file
+    if getattr(args, "audio", False):
+        from ivr.flows.audio_test import run_audio_test_file as run_file
+
     async def run_all() -> list[Any]:
         results = []
         for path in find_test_files([Path(p) for p in args.paths]):
-            results += await run_test_file(path)
+            results += await run_file(path)
         return results
 
     started = time.perf_counter()

@@ -145,6 +145,13 @@ def test_dtmf_settings_reach_the_listen_spec() -> None:
     assert isinstance(listen, Listen) and listen.spec.num_digits == 4
 
 
+def test_a_menu_of_single_keys_answers_on_the_first_key() -> None:
+    # Without this the caller waits out the inter-digit timeout (3 s) after pressing "1".
+    _, actions = run(FLOW, new_state(FLOW, env={}), CallStarted())
+    listen = actions[-1]
+    assert isinstance(listen, Listen) and listen.spec.num_digits == 1
+
+
 def test_an_unmatched_answer_goes_to_the_classifier_and_its_intent_routes() -> None:
     state, actions = run(FLOW, start(), CallerSaid("uh, money stuff"))
     assert state.waiting == "classify"

@@ -216,7 +216,7 @@ class _Step(AgentSteps):
             speech=node.speech,
             dtmf=node.dtmf,
             no_input_timeout=timeout,
-            num_digits=node.digits.num_digits,
+            num_digits=_num_digits(node),
             finish_on_key=node.digits.finish_on_key,
             inter_digit_timeout=node.digits.inter_digit_timeout,
         )
@@ -372,3 +372,15 @@ def _pattern_ok(node: AskNode, answer: str, spoken: bool) -> bool:
 
 def _full(pattern: str, text: str) -> bool:
     return re.fullmatch(pattern, text) is not None
+
+
+def _num_digits(node: AskNode | MenuNode) -> int | None:
+    """A menu of single keys answers on the first key, not after the inter-digit timeout."""
+    if node.digits.num_digits is not None or "digits" in node.model_fields_set:
+        return node.digits.num_digits
+    if isinstance(node, MenuNode):
+        return 1
+    keys = [route.key for route in node.routes if route.key]
+    if keys and node.store is None and node.pattern is None and all(len(k) == 1 for k in keys):
+        return 1
+    return None

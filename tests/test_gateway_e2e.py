@@ -15,7 +15,7 @@ from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from twilio.request_validator import RequestValidator
 
 from ivr.sim.caller import place_call
-from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 pytestmark = pytest.mark.slow
 
@@ -241,3 +241,35 @@ async def test_hostile_frames_are_counted_and_the_call_survives(
     assert after["bad_media"] - before["bad_media"] == 2
     assert after["bad_dtmf"] - before["bad_dtmf"] == 1
     assert counter("ivr_unknown_events_total") - unknown_before == 1
+
+
+async def test_a_reply_is_not_played_over_a_caller_who_went_on_talking(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The caller pauses longer than the endpoint silence, then goes on. STT is slow enough that
+    # the reply to the first half would start while they are talking again: it must be dropped
+    # and the model asked once, with both halves.
+    fake_openai.transcripts.extend(["thanks", "that is all for today"])
+    fake_openai.faults["transcriptions"] = Fault(delay=0.5)
+    fake_openai.chat = [ChatScript(text="Okay, goodbye then.")]
+    script = [
+        "Thanks.",
+        {"silence": 0.45},
+        {"say": "That is all for today.", "wait": False},
+    ]
+    async with gateway_factory() as server:
+        report = await place_call(
+            server.base_url,
+            script=script,  # type: ignore[arg-type]
+            auth_token=AUTH_TOKEN,
+            public_base_url=PUBLIC_URL,
+        )
+    assert not report.violations
+    history = user_texts(fake_openai)
+    assert len(history) == 1, history
+    users = [m for m in history[0] if m.startswith("user:")]
+    assert users[-2:] == ["user:thanks", "user:that is all for today"], history
+    first_half = next(
+        t for t in report.turns if t.caller_text and t.caller_text.startswith("Thanks")
+    )
+    assert first_half.bot_audio_seconds == 0, report.format_transcript()

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from ivr.errors import IvrError
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -47,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = handler(args)
     except ValidationError as exc:
         print(f"ivr: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    except IvrError as exc:  # e.g. flows that do not validate: say what and where, no traceback
+        print(f"ivr: cannot start: {type(exc).__name__}:\n{exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -7,6 +7,7 @@ simulated call that speaks a few lines, and prints the transcript with per-turn 
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -41,6 +42,8 @@ async def run_demo(
     }
     if tts:
         overrides["tts_provider"] = tts
+    if not os.environ.get("IVR_LLM_MAX_TOKENS"):
+        overrides["llm_max_tokens"] = 48  # the 135M offline model rambles; keep turns short
     settings = Settings(**overrides)  # type: ignore[arg-type]
     configure_logging("console", "warning" if settings.log_level == "info" else settings.log_level)
     print("ivr demo: starting the gateway (loading offline engines can take ~20 s)...", flush=True)

@@ -102,6 +102,20 @@ def copy_knowledge(flow: Flow, source_dir: Path, target_dir: Path) -> None:
                 shutil.copyfile(source_dir / rel, dst)
 
 
+def copy_subflows(flow: Flow, target_dir: Path) -> None:
+    """The flows it includes, as they are (names kept), with no-input timeouts shortened."""
+    for sub in flow.subflows.values():
+        source = Path(sub.source)
+        data: dict[str, Any] = yaml.safe_load(source.read_text(encoding="utf-8"))
+        data.setdefault("defaults", {})["no_input_timeout"] = NO_INPUT_TIMEOUT
+        for node in (data.get("nodes") or {}).values():
+            if isinstance(node, dict) and "no_input_timeout" in node:
+                node["no_input_timeout"] = NO_INPUT_TIMEOUT
+        text = yaml.safe_dump(data, sort_keys=False)
+        (target_dir / source.name).write_text(text, encoding="utf-8")
+        copy_knowledge(sub, source.parent, target_dir)
+
+
 def case_number(index: int) -> str:
     return f"+1555077{index:04d}"
 
@@ -228,6 +242,7 @@ async def _serve(spec: TestFile, flow: Flow, flow_path: Path, tmp: Path) -> Asyn
             target = flows_dir / f"{flow.name}_case{index}.yaml"
             target.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
         copy_knowledge(flow, flow_path.parent, flows_dir)
+        copy_subflows(flow, flows_dir)
         script = _ScriptedLlm()
         transcripts: collections.deque[str] = collections.deque()
         async with FakeOpenAIServer(api_key="sk-flows") as fake:
@@ -405,7 +420,7 @@ def _check(
     variables = cp.snapshot.variables if cp.snapshot else {}
     if final and record is not None:
         node, variables = record.node, record.variables
-    if step.node is not None and node != step.node:
+    if step.node is not None and node != step.node.rpartition(".")[2]:  # flow.node: a sub-flow
         yield f"expected node '{step.node}', at '{node}'"
     for text in _as_list(step.bot_says):
         if text.lower() not in said.lower():

@@ -72,13 +72,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     problems: list[Problem] = []
     files = flow_files(args.paths)
+    valid: dict[Path, dict[str, Flow]] = {}
     for path in files:
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             problems.append(Problem(str(path), 1, 1, f"cannot read the file: {exc}"))
             continue
-        problems += check_flow_text(text, str(path), base_dir=path.parent)[1]
+        flow, found = check_flow_text(text, str(path), base_dir=path.parent)
+        problems += found
+        if flow is not None:
+            valid.setdefault(path.parent, {}).setdefault(flow.name, flow)
+    for directory, flows in valid.items():
+        problems += _subflow_problems(directory, flows)
     for raw in args.paths:
         if Path(raw).is_dir() and (Path(raw) / ROUTES_FILE).exists():
             registry = FlowRegistry(raw)
@@ -94,6 +100,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
         verdict = f"{len(errors)} error(s)" if errors else "ok"
         print(f"{len(files)} flow file(s) checked in {elapsed * 1000:.1f} ms: {verdict}")
     return 1 if errors else 0
+
+
+def _subflow_problems(directory: Path, flows: dict[str, Flow]) -> list[Problem]:
+    """Sub-flow references of the checked files, against the other flows of their directory."""
+    from ivr.flows.subflows import check_set, sibling_flows
+
+    siblings, _ = sibling_flows(directory)
+    checked = {flow.source for flow in flows.values()}
+    return [p for p in check_set({**siblings, **flows}) if p.file in checked]
 
 
 def cmd_test(args: argparse.Namespace) -> int:

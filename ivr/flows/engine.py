@@ -1,8 +1,12 @@
 """The pure flow engine: ``step(flow, state, event) -> (state, actions)``. No I/O, no clocks.
 
-Entering a node runs the nodes that need nothing from the outside (set, branch, goto, say)
-until one must wait: for the caller (ask, menu, agent), for the LLM, or for an HTTP answer.
-The input state is never modified; the returned state is a new object.
+Entering a node runs the nodes that need nothing from the outside (set, branch, goto, say,
+subflow, return) until one must wait: for the caller (ask, menu, agent), for the LLM, or for an
+HTTP answer. The input state is never modified; the returned state is a new object.
+
+``flow`` is the call's flow with its sub-flows attached (``Flow.subflows``); a subflow node
+pushes a ``Frame`` onto ``state.stack`` and runs the sub-flow with its own variables until a
+return node pops it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ivr.flows.events import (
     FlowAction,
     FlowEvent,
     FlowState,
+    Frame,
     Hangup,
     HttpRequest,
     HttpResult,
@@ -48,8 +53,10 @@ from ivr.flows.model import (
     HttpCall,
     HttpNode,
     MenuNode,
+    ReturnNode,
     SayNode,
     SetNode,
+    SubflowNode,
     TransferNode,
 )
 from ivr.flows.template import lookup, render, render_value
@@ -67,14 +74,37 @@ def new_state(
 ) -> FlowState:
     """A fresh state: flow variables (``{env: NAME}`` read from ``env``), then ``call_vars``."""
     environ = os.environ if env is None else env
+    names = {
+        default.env
+        for sub in flow.subflows.values()
+        for default in sub.variables.values()
+        if isinstance(default, EnvVar)
+    }
+    values = start_values(flow, environ)
+    values.update(call_vars or {})
+    return FlowState(
+        flow=flow.name,
+        version=flow.version,
+        node=flow.start,
+        vars=values,
+        env={name: environ.get(name) for name in sorted(names)},
+    )
+
+
+def start_values(flow: Flow, env: Mapping[str, str | None]) -> dict[str, Any]:
+    """A flow's variables at its start (``{env: NAME}`` read from ``env``)."""
     values: dict[str, Any] = {}
     for name, default in flow.variables.items():
         if isinstance(default, EnvVar):
-            values[name] = environ.get(default.env, default.default)
+            found = env.get(default.env)
+            values[name] = default.default if found is None else found
         else:
             values[name] = default
-    values.update(call_vars or {})
-    return FlowState(flow=flow.name, version=flow.version, node=flow.start, vars=values)
+    return values
+
+
+# Built-in variables a sub-flow starts with, copied from the flow that starts it.
+CALL_VARIABLES = ("caller", "called", "call_sid")
 
 
 def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, list[FlowAction]]:
@@ -86,15 +116,32 @@ def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, lis
 
 class _Step(AgentSteps):
     def __init__(self, flow: Flow, state: FlowState) -> None:
-        self.flow = flow
+        self.root = flow
         self.state = state
         self.actions: list[FlowAction] = []
+        # Without a stack the call's own flow runs (whatever name the state has, as before).
+        current = flow.subflows.get(state.flow) if state.stack else flow
+        self.lost = current is None or not self._frames_known()
+        self.flow = current or flow
+
+    def _frames_known(self) -> bool:
+        """Every waiting flow is known and waits at a subflow node (false after a version
+        change under a resumed call)."""
+        for frame in self.state.stack:
+            flow = self.root.flow_named(frame.flow)
+            if flow is None or not isinstance(flow.nodes.get(frame.node), SubflowNode):
+                return False
+        return True
 
     # ------------------------------------------------------------ dispatch
 
     def handle(self, event: FlowEvent) -> None:
         if self.state.done:
             return
+        if self.lost and not isinstance(event, Resumed | CallerHungUp):
+            raise FlowRuntimeError(
+                f"flow '{self.state.flow}' of this call is not part of flow '{self.root.name}'"
+            )
         if isinstance(event, CallStarted):
             self.goto(self.flow.start)
         elif isinstance(event, Resumed):
@@ -163,6 +210,10 @@ class _Step(AgentSteps):
             return node.next
         if isinstance(node, GotoNode):
             return node.next
+        if isinstance(node, SubflowNode):
+            return self._call(target, node)
+        if isinstance(node, ReturnNode):
+            return self._return()
         if isinstance(node, BranchNode):
             return next(
                 (c.next for c in node.cases if matching.all_hold(c.conditions, self.state.vars)),
@@ -194,8 +245,55 @@ class _Step(AgentSteps):
         self.state.outcome = outcome
         self.state.waiting = "done"
 
+    # ------------------------------------------------------------ sub-flows
+
+    def _call(self, name: str, node: SubflowNode) -> str:
+        """Start the sub-flow of subflow node ``name``; returns the sub-flow's start node."""
+        sub = self.root.subflows.get(node.flow)
+        if sub is None:  # the loader attaches every sub-flow; a Flow built by hand may not
+            raise FlowRuntimeError(f"sub-flow '{node.flow}' is not attached to '{self.root.name}'")
+        parent = self.state.vars
+        values = start_values(sub, self.state.env)
+        values.update({k: parent[k] for k in CALL_VARIABLES if k in parent})
+        values.update(render_value(node.pass_, parent))
+        frame = Frame(flow=self.flow.name, version=self.flow.version, node=name, vars=parent)
+        self.state.stack.append(frame)
+        self._switch(sub, values)
+        return sub.start
+
+    def _return(self) -> str | None:
+        """Go back to the flow that started this one, after its subflow node."""
+        if not self.state.stack:  # a flow with return nodes answered a call itself
+            self.actions.append(Hangup())
+            self._finish("hangup")
+            return None
+        frame = self.state.stack.pop()
+        parent = self.root.flow_named(frame.flow)
+        node = parent.nodes.get(frame.node) if parent else None
+        if parent is None or not isinstance(node, SubflowNode):
+            raise FlowRuntimeError(f"cannot return to node '{frame.node}' of '{frame.flow}'")
+        values = frame.vars
+        values.update({var: lookup(self.state.vars, child) for var, child in node.return_.items()})
+        self._switch(parent, values)
+        self.state.node = frame.node
+        return node.next
+
+    def _switch(self, flow: Flow, values: dict[str, Any]) -> None:
+        self.flow = flow
+        self.state.flow, self.state.version, self.state.vars = flow.name, flow.version, values
+
+    def _restart(self) -> None:
+        """The call's flow changed under a resumed call so much that its place is gone."""
+        values = self.state.stack[0].vars if self.state.stack else self.state.vars
+        self.state.stack = []
+        self._switch(self.root, values)
+        self.goto(self.root.start)
+
     def _resume(self) -> None:
-        self.say(self.flow.resume_prompt)
+        self.say(self.flow.resume_prompt or self.root.resume_prompt)
+        if self.lost:
+            self._restart()
+            return
         node = self.flow.nodes.get(self.state.node)
         if node is None:  # the flow changed under a resumed call: start over
             self.goto(self.flow.start)

@@ -38,12 +38,27 @@ class HistoryItem(BaseModel):
     tool_call_id: str | None = None
 
 
+class Frame(BaseModel):
+    """A flow waiting for the sub-flow its subflow node ``node`` started to return."""
+
+    flow: str
+    version: str
+    node: str
+    vars: dict[str, Any]
+
+
 class FlowState(BaseModel):
     flow: str
+    """The flow running now: the call's flow, or a sub-flow of it (then ``stack`` is not empty)."""
     version: str = ""
     node: str = ""
     waiting: Waiting = "start"
     vars: dict[str, Any] = Field(default_factory=dict)
+    """The running flow's variables; a sub-flow has its own."""
+    stack: list[Frame] = Field(default_factory=list)
+    """The flows that started sub-flows, outermost first."""
+    env: dict[str, str | None] = Field(default_factory=dict)
+    """Environment values the call's sub-flows read, taken at call start (the engine is pure)."""
     attempts: int = 0
     """Failed answers (no match or no input) at the current input node."""
     agent_turns: int = 0

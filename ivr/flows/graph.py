@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ivr.flows.loader import Path_
-from ivr.flows.model import AgentNode, AskNode, Flow, MenuNode, Node
+from ivr.flows.model import AgentNode, AskNode, Flow, MenuNode, Node, SubflowNode
 from ivr.flows.validate import edges
 
 
@@ -36,7 +36,10 @@ def _uses_hangup_target(flow: Flow) -> bool:
 def to_mermaid(flow: Flow) -> str:
     lines = ["flowchart TD", f"  start((start)) --> {_mid(flow.start)}"]
     for name, node in flow.nodes.items():
-        lines.append(f'  {_mid(name)}["{name}<br/><i>{node.kind}</i>"]')
+        if isinstance(node, SubflowNode):  # Mermaid's subroutine shape
+            lines.append(f'  {_mid(name)}[["{name}<br/><i>subflow: {node.flow}</i>"]]')
+        else:
+            lines.append(f'  {_mid(name)}["{name}<br/><i>{node.kind}</i>"]')
     if _uses_hangup_target(flow):
         lines.append("  hangup((hang up))")
     for source, target, label in _all_edges(flow):
@@ -49,7 +52,9 @@ def to_dot(flow: Flow) -> str:
     lines = [f'digraph "{flow.name}" {{', "  rankdir=TB;", '  start [shape=circle, label="start"];']
     for name, node in flow.nodes.items():
         shape = "diamond" if node.kind == "branch" else "box"
-        lines.append(f'  "{name}" [shape={shape}, label="{name}\\n({node.kind})"];')
+        kind = f"subflow: {node.flow}" if isinstance(node, SubflowNode) else node.kind
+        extra = ", peripheries=2" if isinstance(node, SubflowNode) else ""
+        lines.append(f'  "{name}" [shape={shape}{extra}, label="{name}\\n({kind})"];')
     if _uses_hangup_target(flow):
         lines.append('  "hangup" [shape=doublecircle, label="hang up"];')
     lines.append(f'  start -> "{flow.start}";')

@@ -149,7 +149,8 @@ def _data_path(loc: Iterable[str | int], data: Any) -> Path_:
 
 
 def _is_field_name(part: str) -> bool:
-    kinds = {"say", "ask", "menu", "agent", "branch", "set", "http", "transfer", "hangup", "goto"}
+    kinds = {"say", "ask", "menu", "agent", "branch", "set", "http", "transfer", "hangup", "goto",
+             "subflow", "return"}  # fmt: skip
     return part not in kinds and not part.startswith("function-")
 
 
@@ -179,15 +180,26 @@ def _describe(err: Any, path: Path_) -> str:
     return f"{msg}{where}"
 
 
-def load_flow(path: str | Path, *, display_name: str | None = None) -> Flow:
-    """Load and fully validate one flow file; raises ``FlowLoadError`` with every problem."""
+def load_flow(
+    path: str | Path, *, display_name: str | None = None, with_subflows: bool = True
+) -> Flow:
+    """Load and fully validate one flow file; raises ``FlowLoadError`` with every problem.
+
+    With ``with_subflows`` the flows it includes are loaded from the same directory and
+    attached (``Flow.subflows``), so the result is ready to run.
+    """
     file = Path(path)
     shown = display_name or str(path)
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise FlowLoadError([Problem(shown, 1, 1, f"cannot read the file: {exc}")]) from None
-    return load_flow_text(text, shown, base_dir=file.parent)
+    flow = load_flow_text(text, shown, base_dir=file.parent)
+    if with_subflows and flow.subflow_nodes():
+        from ivr.flows.subflows import attach_from_directory
+
+        flow = attach_from_directory(flow, file.parent, exclude=file)
+    return flow
 
 
 def load_flow_text(text: str, file: str, *, base_dir: Path | None = None) -> Flow:
@@ -220,4 +232,23 @@ def check_flow_text(
     digest = hashlib.sha256(text.encode())
     for part in digest_parts:
         digest.update(part)
-    return flow.model_copy(update={"source": file, "version": digest.hexdigest()[:12]}), problems
+    version = digest.hexdigest()[:12]
+    update = {"source": file, "version": version, "file_version": version,
+              "ref_positions": _ref_positions(flow, smap)}  # fmt: skip
+    return flow.model_copy(update=update), problems
+
+
+def _ref_positions(flow: Flow, smap: SourceMap) -> dict[str, tuple[int, int]]:
+    """Positions of sub-flow references, for problems found later against other files."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, any_node in flow.nodes.items():
+        if any_node.kind == "return":
+            out[f"nodes.{name}"] = smap.locate(("nodes", name), key=True)
+    for name, node in flow.subflow_nodes().items():
+        at: Path_ = ("nodes", name)
+        out[f"nodes.{name}"] = smap.locate(at, key=True)
+        out[f"nodes.{name}.flow"] = smap.locate((*at, "flow"))
+        for part, keys in (("pass", node.pass_), ("return", node.return_)):
+            for key in keys:
+                out[f"nodes.{name}.{part}.{key}"] = smap.locate((*at, part, key), key=True)
+    return out

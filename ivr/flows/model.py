@@ -315,6 +315,32 @@ class GotoNode(NodeBase):
     next: str | None = None
 
 
+class SubflowNode(NodeBase):
+    """Run another flow (by name) as a sub-routine; continue at ``next`` when it returns."""
+
+    kind: Literal["subflow"]
+    flow: VarName = Field(description="Name of the flow to run (its file's 'name:').")
+    next: str | None = Field(default=None, description="Where to go when the sub-flow returns.")
+    pass_: dict[VarName, Any] = Field(
+        default_factory=dict,
+        alias="pass",
+        description="Sub-flow variable -> value or template (in this flow's variables).",
+    )
+    return_: dict[VarName, str] = Field(
+        default_factory=dict,
+        alias="return",
+        description="Variable here -> sub-flow variable (dotted path allowed), copied at return.",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ReturnNode(NodeBase):
+    """End a sub-flow: the calling flow continues after its subflow node."""
+
+    kind: Literal["return"]
+
+
 Node = Annotated[
     SayNode
     | AskNode
@@ -325,7 +351,9 @@ Node = Annotated[
     | HttpNode
     | TransferNode
     | HangupNode
-    | GotoNode,
+    | GotoNode
+    | SubflowNode
+    | ReturnNode,
     Field(discriminator="kind"),
 ]
 
@@ -355,6 +383,22 @@ class Flow(Spec):
     # Filled by the loader, not written by operators.
     source: SkipJsonSchema[str] = Field(default="", exclude=True)
     version: SkipJsonSchema[str] = Field(default="", exclude=True)
+    """This file's digest, combined with the file digests of every sub-flow it includes."""
+    file_version: SkipJsonSchema[str] = Field(default="", exclude=True)
+    """This file's digest alone."""
+    subflows: SkipJsonSchema[dict[str, Flow]] = Field(default_factory=dict, exclude=True)
+    """Every flow it includes, directly or not, by name: the versions a pinned call runs."""
+    ref_positions: SkipJsonSchema[dict[str, tuple[int, int]]] = Field(
+        default_factory=dict, exclude=True
+    )
+    """(line, column) of sub-flow references ("nodes.N.flow", "nodes.N.pass.K", ...)."""
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
+
+    def subflow_nodes(self) -> dict[str, SubflowNode]:
+        return {n: node for n, node in self.nodes.items() if isinstance(node, SubflowNode)}
+
+    def flow_named(self, name: str) -> Flow | None:
+        """This flow or one it includes."""
+        return self if name == self.name else self.subflows.get(name)

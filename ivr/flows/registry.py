@@ -1,8 +1,10 @@
 """All flows of a directory, routed by called number, reloaded while calls keep running.
 
 A call pins the flow version it starts with (``registry.pin(to_number)``); flows are immutable
-values, so a reload swaps the registry's table but never changes a pinned flow. A changed file
-that fails validation is refused: its problems are logged and the old version keeps serving.
+values, so a reload swaps the registry's table but never changes a pinned flow. A flow carries
+the sub-flows it includes as loaded with it (``Flow.subflows``), so they are pinned too. A
+changed file that fails validation is refused: its problems are logged and the old version
+keeps serving.
 
     flows/support.yaml, flows/sales.yaml, ...   one flow per file (``numbers:`` optional)
     flows/routes.yaml                            optional: {default: NAME, routes: {NUMBER: NAME}}
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ivr.flows.loader import FlowLoadError, Problem, load_flow, parse_yaml, pydantic_problems
 from ivr.flows.model import AgentNode, AskNode, Flow, HangupNode, MenuNode, SayNode, TransferNode
+from ivr.flows.subflows import resolve
 from ivr.flows.template import has_references
 
 log = structlog.get_logger("ivr.flows")
@@ -86,7 +89,7 @@ class FlowRegistry:
         for path in self._flow_files():
             key = str(path)
             try:
-                flow = load_flow(path)
+                flow = load_flow(path, with_subflows=False)  # attached below, across files
             except FlowLoadError as exc:
                 refused[key] = exc.problems
                 kept = old.files.get(key)
@@ -100,6 +103,7 @@ class FlowRegistry:
                 refused[key] = [Problem(key, 1, 1, msg)]
                 continue
             flows[flow.name], files[key] = flow, flow.name
+        flows = self._attach_subflows(flows, files, old, refused)
         routes, default, route_problems = self._routes(flows, old)
         if route_problems:
             refused[str(self.directory / ROUTES_FILE)] = route_problems
@@ -111,6 +115,24 @@ class FlowRegistry:
         self._table = _Table(flows, files, routes, default)  # one assignment: atomic swap
         self.refused = refused
         return problems
+
+    @staticmethod
+    def _attach_subflows(
+        flows: dict[str, Flow], files: dict[str, str], old: _Table,
+        refused: dict[str, list[Problem]],
+    ) -> dict[str, Flow]:  # fmt: skip
+        """Flows with their sub-flows; one whose references are wrong keeps its old version."""
+        resolved, problems = resolve(flows)
+        for key, name in list(files.items()):
+            if name in resolved:
+                continue
+            errors = [p for p in problems if p.file == key and p.severity == "error"]
+            refused[key] = refused.get(key, []) + errors
+            if name in old.flows:
+                resolved[name] = old.flows[name]
+            else:
+                del files[key]
+        return resolved
 
     def _flow_files(self) -> list[Path]:
         return sorted(

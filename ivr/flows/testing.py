@@ -19,9 +19,10 @@ A step gives at most one caller input (``say``, ``press``, ``silent: true``, ``h
 ``barge_in_after_words: N`` cuts the bot's next prompt), the LLM's answers to the calls that
 input causes (``llm: [{text: ...}, {tool_calls: [{name, arguments}]}, {json: {...}}]`` or
 ``intent: NAME`` for the classifier), then what must hold when the bot waits again:
-``node``, ``bot_says`` (case-insensitive substrings of what the bot said since the input),
-``bot_not_says``, ``vars`` (subset), ``ended`` (hangup | transfer | caller_hangup),
-``transfer_to``. The LLM is a real local OpenAI-compatible server the test scripts.
+``node`` (or ``flow.node`` inside a sub-flow), ``bot_says`` (case-insensitive substrings of
+what the bot said since the input), ``bot_not_says``, ``vars`` (subset), ``ended``
+(hangup | transfer | caller_hangup), ``transfer_to``. The LLM is a real local
+OpenAI-compatible server the test scripts.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ def resolve_flow(test_path: Path, ref: str) -> Path:
 def needs_llm(flow: Flow) -> bool:
     return any(
         isinstance(n, AgentNode) or (isinstance(n, AskNode) and (n.classify or n.extract))
-        for n in flow.nodes.values()
+        for f in (flow, *flow.subflows.values())
+        for n in f.nodes.values()
     )
 
 
@@ -371,8 +373,8 @@ def _check_step(step: Step, cp: _Checkpoint, io: TextCallIO, final: bool) -> lis
     problems = []
     said = " ".join(cp.bot)
     state = cp.state
-    if step.node is not None and (state is None or state.node != step.node):
-        problems.append(f"expected node '{step.node}', at '{state.node if state else '?'}'")
+    if step.node is not None and (state is None or step.node not in _places(state)):
+        problems.append(f"expected node '{step.node}', at '{_place(state)}'")
     for text in _as_list(step.bot_says):
         if text.lower() not in said.lower():
             problems.append(f"expected the bot to say {text!r}; it said {said!r}")
@@ -392,6 +394,17 @@ def _check_step(step: Step, cp: _Checkpoint, io: TextCallIO, final: bool) -> lis
     if step.transfer_to is not None and io.transferred_to != step.transfer_to:
         problems.append(f"expected a transfer to {step.transfer_to}, got {io.transferred_to}")
     return problems
+
+
+def _places(state: FlowState) -> tuple[str, str]:
+    """A node may be named alone or as ``flow.node`` (inside a sub-flow)."""
+    return state.node, f"{state.flow}.{state.node}"
+
+
+def _place(state: FlowState | None) -> str:
+    if state is None:
+        return "?"
+    return f"{state.flow}.{state.node}" if state.stack else state.node
 
 
 def find_test_files(paths: list[Path]) -> list[Path]:

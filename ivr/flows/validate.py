@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ivr.flows.model import (
     Node,
     SayNode,
     SetNode,
+    SubflowNode,
 )
 
 BUILTIN_VARIABLES = (
@@ -53,7 +54,7 @@ _NOT_TEMPLATES = frozenset(
 
 def edges(node: Node) -> Iterator[tuple[Path_, str]]:
     """Every target a node can go to, with the path of the field naming it."""
-    if isinstance(node, SayNode | SetNode | GotoNode) and node.next is not None:
+    if isinstance(node, SayNode | SetNode | GotoNode | SubflowNode) and node.next is not None:
         yield ("next",), node.next
     if isinstance(node, AskNode | MenuNode):
         yield ("fallback",), node.fallback
@@ -209,6 +210,8 @@ def known_variables(flow: Flow) -> set[str]:
             names.update(node.extract.fields)
         if isinstance(node, SetNode):
             names.update(node.values)
+        if isinstance(node, SubflowNode):
+            names.update(node.return_)
         if isinstance(node, HttpNode):
             names.update(node.request.map)
         if isinstance(node, AgentNode):
@@ -263,8 +266,12 @@ def _template_strings(
         yield ("defaults", *path), text, None
     nodes = data.get("nodes", {})
     for name, raw in nodes.items():
-        yield from _walk_templates(raw, ("nodes", name), None)
         node = flow.nodes[name]
+        if isinstance(node, SubflowNode):  # only the values given to the sub-flow are templates
+            for key, value in raw.get("pass", {}).items():
+                yield from _walk_templates(value, ("nodes", name, "pass", str(key)), None)
+            continue
+        yield from _walk_templates(raw, ("nodes", name), None)
         if isinstance(node, AgentNode):
             for i, tool in enumerate(node.tools):
                 args = set(tool.parameters.get("properties", {}))
@@ -346,6 +353,8 @@ def reachable_nodes(flow: Flow) -> set[str]:
 def _dead_end(node: Node) -> str:
     if isinstance(node, SayNode | SetNode | GotoNode) and node.next is None:
         return "add 'next:' (or end the call with a hangup node)"
+    if isinstance(node, SubflowNode) and node.next is None:
+        return "add 'next:' (where to continue when the sub-flow returns)"
     if isinstance(node, HttpNode) and (node.next is None or node.on_error is None):
         return "an http node needs both 'next:' and 'on_error:'"
     if isinstance(node, BranchNode) and node.default is None:
@@ -355,14 +364,19 @@ def _dead_end(node: Node) -> str:
     return ""
 
 
-def input_free_cycles(flow: Flow) -> list[list[str]]:
+def waits_for_caller(node: Node) -> bool:
+    """Per file: a subflow node counts as waiting; ``ivr.flows.subflows`` checks it across files."""
+    return node.kind in INPUT_KINDS or node.kind == "subflow"
+
+
+def input_free_cycles(
+    flow: Flow, waits: Callable[[Node], bool] = waits_for_caller
+) -> list[list[str]]:
     """Strongly connected groups of nodes that never wait for the caller (Tarjan)."""
     graph = {
-        name: [
-            t for _, t in edges(node) if t in flow.nodes and flow.nodes[t].kind not in INPUT_KINDS
-        ]
+        name: [t for _, t in edges(node) if t in flow.nodes and not waits(flow.nodes[t])]
         for name, node in flow.nodes.items()
-        if node.kind not in INPUT_KINDS
+        if not waits(node)
     }
     index: dict[str, int] = {}
     low: dict[str, int] = {}

@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from ivr.audio.wav import wav_to_pcm16
 from ivr.errors import ProviderError, ProviderStatusError, ProviderTimeout
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
 from ivr.llm.openai_compat import CHAT_TEMPLATE_NO_THINKING, REASONING_OFF, OpenAICompatLlm
@@ -30,7 +31,6 @@ from ivr.testing.openai_server import (
     ScriptToolCall,
     default_speak,
 )
-from ivr.audio.wav import wav_to_pcm16
 from ivr.tts.openai_http import OpenAIHttpTts
 
 KEY = "sk-test-key"

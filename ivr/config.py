@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     twilio_auth_token: str = Field(
         "", validation_alias=AliasChoices("TWILIO_AUTH_TOKEN", "IVR_TWILIO_AUTH_TOKEN")
     )
+    # REST API base (calls are redirected/ended through it); override only to test locally.
+    twilio_api_base_url: str = ""
     # Development only: accept unsigned webhooks and streams when no auth token is set.
     allow_unsigned: bool = False
 

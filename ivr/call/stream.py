@@ -27,11 +27,14 @@ from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.state.base import CallRecord, CallStatus
 from ivr.telephony import twilio
+from ivr.telephony.rest import rest_from_settings
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
 log = structlog.get_logger("ivr.stream")
 
 START_TIMEOUT = 10.0
+# After a REST redirect Twilio sends `stop` within moments; past this we close the WS ourselves.
+REDIRECT_STOP_TIMEOUT = 5.0
 POLICY_VIOLATION = 1008
 
 
@@ -40,6 +43,8 @@ class _Outcome:
     reason: str = "disconnect"  # "stop" | "disconnect" | "hangup" | "transfer" | "error"
     end: CallEnd | None = None
     session: CallSession | None = None
+    redirected: bool = False
+    """Twilio took the call over through a REST update (transfer): our part of it is over."""
 
 
 async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
@@ -145,8 +150,9 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
         llm_name=gateway.llm.name,
     )
     log.info("call.stream_started", resumed=record.stream_count > 1)
+    receive = asyncio.create_task(_receive(ws, session), name="receive")
     tasks = {
-        asyncio.create_task(_receive(ws, session), name="receive"),
+        receive,
         asyncio.create_task(player.run_sender(), name="sender"),
         asyncio.create_task(session.run_stt(), name="stt"),
     }
@@ -168,6 +174,10 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
         if not finished.cancelled() and finished.exception() is not None:
             outcome.reason = "error"
             log.error("call.task_failed", task=finished.get_name(), exc_info=finished.exception())
+        elif finished is conversation and outcome.end and outcome.end.action == "transfer":
+            outcome.redirected = await _transfer_by_rest(
+                gateway, start.call_sid, outcome.end, receive
+            )
     finally:
         for task in tasks:
             task.cancel()
@@ -176,6 +186,37 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
             vad.close()
     if outcome.reason in ("stop", "disconnect"):
         session.on_hangup()
+
+
+async def _transfer_by_rest(
+    gateway: Gateway, call_sid: str, end: CallEnd, receive: asyncio.Task[str]
+) -> bool:
+    """Redirect the call to ``<Dial>`` over REST; on failure the WS is closed as before.
+
+    The decision is stored first, so a ``<Connect action>`` request (REST failed, or raced it)
+    answers ``<Dial>`` too. After a redirect Twilio ends the stream with ``stop``: that is the
+    transfer completing, not the caller hanging up, so wait for it (bounded) without acting on it.
+    """
+    rest = rest_from_settings(gateway.settings)
+    if rest is None:
+        return False
+
+    def decide(record: CallRecord) -> None:
+        record.end_action, record.transfer_to = end.action, end.number
+        record.status = CallStatus.TRANSFERRING
+
+    try:
+        await gateway.store.update(call_sid, decide)
+    except Exception as exc:  # without the stored decision the action path can't Dial either
+        log.error("call.transfer_store_failed", error=repr(exc))
+    async with rest:
+        redirected = await rest.redirect(call_sid, twilio.dial_twiml(end.number))
+    if redirected:
+        log.info("call.transfer_redirected", pii_number=end.number)
+        await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)
+    else:
+        log.warning("call.transfer_rest_failed", fallback="connect_action")
+    return redirected
 
 
 async def _receive(ws: WebSocket, session: CallSession) -> str:
@@ -244,7 +285,9 @@ async def _finish(gateway: Gateway, call_sid: str, outcome: _Outcome) -> None:
 
     try:
         await gateway.store.update(call_sid, mark)
-        if outcome.reason == "stop" or (end is not None and end.action == "hangup"):
+        if outcome.redirected:  # no action request follows a REST redirect: end the record here
+            await gateway.store.end(call_sid, CallStatus.TRANSFERRING)
+        elif outcome.reason == "stop" or (end is not None and end.action == "hangup"):
             await gateway.store.end(call_sid, CallStatus.ENDED)
     except Exception as exc:  # the call is over either way; never fail teardown
         log.error("call.finish_failed", error=repr(exc))

@@ -46,6 +46,7 @@ from ivr.sim.playout import (
     ulaw_encode,
     write_wav,
 )
+from ivr.sim.rest_api import CallUpdate, FakeTwilioRestApi
 from ivr.sim.script import (
     BargeIn,
     Hangup,
@@ -82,6 +83,8 @@ class TurnReport:
     latency_s: float | None = None
     """caller_end_t -> first bot sample played at the caller."""
     bot_audio_seconds: float = 0.0
+    bot_audio_end_t: float | None = None
+    """When the last bot audio of this turn finished playing."""
     interrupted: bool = False
     """A ``clear`` arrived during this bot turn."""
     bot_text: str | None = None
@@ -94,7 +97,8 @@ class StreamReport:
     started_t: float
     ended_t: float = 0.0
     ended_by: str = ""
-    """``caller`` (stop sent), ``gateway`` (it closed the socket) or ``handshake-failed``."""
+    """``caller`` (stop sent), ``gateway`` (it closed the socket), ``rest`` (a REST update
+    replaced the TwiML: stop sent) or ``handshake-failed``."""
     custom_parameters: dict[str, str] = field(default_factory=dict)
 
 
@@ -115,6 +119,8 @@ class CallReport:
     """Gateway closed a stream -> the next stream started (when the action resumed the call)."""
     errors: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    rest_update_t: list[float] = field(default_factory=list)
+    """When each REST update of this call reached the fake REST API."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,6 +245,12 @@ class _Line:
         self.session_changed = asyncio.Event()
         self.hangup = asyncio.Event()
         self.first_stream_t: float | None = None
+        self.rest_updates: list[CallUpdate] = []
+        self.redirected = asyncio.Event()
+
+    def on_rest_update(self, update: CallUpdate) -> None:
+        self.rest_updates.append(update)
+        self.redirected.set()
 
     def rel(self, t: float) -> float:
         return t - self.t0
@@ -327,8 +339,9 @@ class _Session:
         marker = asyncio.create_task(self._echo_marks())
         recv = asyncio.create_task(self._receive())
         hang = asyncio.create_task(self.line.hangup.wait())
+        rest = asyncio.create_task(self.line.redirected.wait())
         try:
-            await asyncio.wait({recv, hang}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({recv, hang, rest}, return_when=asyncio.FIRST_COMPLETED)
             if recv.done():
                 return "gateway"
             pump.cancel()  # no media after stop
@@ -337,13 +350,13 @@ class _Session:
                 stop = {"accountSid": self.ids.account_sid, "callSid": self.ids.call_sid}
                 await self._send({"event": "stop", "stop": stop})
                 await self.ws.close()
-            return "caller"
+            return "rest" if rest.done() else "caller"
         finally:
             self.line.session = None
             self.playout.close()
-            for task in (pump, marker, recv, hang):
+            for task in (pump, marker, recv, hang, rest):
                 task.cancel()
-            await asyncio.gather(pump, marker, recv, hang, return_exceptions=True)
+            await asyncio.gather(pump, marker, recv, hang, rest, return_exceptions=True)
 
     def _start_body(self) -> dict[str, Any]:
         return {
@@ -530,15 +543,23 @@ async def place_call(
     synthesize: Synthesize | None = None,
     comfort_noise: bool = False,
     open_timeout: float = 10.0,
+    rest_api: FakeTwilioRestApi | None = None,
 ) -> CallReport:
-    """Place one inbound call at the gateway and run ``script`` on it, in real time."""
+    """Place one inbound call at the gateway and run ``script`` on it, in real time.
+
+    With ``rest_api`` the call belongs to its account and can be updated through it (a REST
+    redirect ends the stream with ``stop`` and its TwiML takes over, as on Twilio).
+    """
     if not isinstance(script, Script):
         script = script_from_data(list(script), source="<script>")
     steps = await render_script(script, synthesize)
-    ids = _Ids("CA" + secrets.token_hex(16), "AC" + secrets.token_hex(16), from_, to)
+    account_sid = rest_api.account_sid if rest_api else "AC" + secrets.token_hex(16)
+    ids = _Ids("CA" + secrets.token_hex(16), account_sid, from_, to)
     ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
     report = CallReport(ids.call_sid, ids.account_sid)
     line = _Line(time.monotonic(), comfort_noise)
+    if rest_api is not None:
+        rest_api.add_call(ids.call_sid, from_=from_, to=to, control=line.on_rest_update)
     async with httpx.AsyncClient(timeout=10.0) as http:
         tw = _Twilio(http, http_base, public_base_url or http_base, auth_token, ids)
         runner = asyncio.create_task(_run_script(line, steps, script))
@@ -549,6 +570,9 @@ async def place_call(
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
+            if rest_api is not None:
+                rest_api.end_call(ids.call_sid)
+    report.rest_update_t = [line.rel(u.t) for u in line.rest_updates]
     await _finish(line, report, record_path, transcriber)
     return report
 
@@ -571,10 +595,28 @@ async def _drive(
             report.resume_gaps_s.append(s.started_t - closed_at)
         if s.ended_by == "caller":
             return
+        if s.ended_by == "rest":
+            next_twiml = await _after_rest_update(line, tw)
+            if next_twiml is None:
+                return
+            twiml = next_twiml
+            continue
         closed_at = s.ended_t  # both relative to the call start
         if stream.action is None:
             return  # no action: the call goes on to the next verb, of which there is none
         twiml = await tw.request(stream.action, tw.params("in-progress"), stream.method)
+
+
+async def _after_rest_update(line: _Line, tw: _Twilio) -> str | None:
+    """The TwiML a REST update put in charge (None: the update ended the call)."""
+    update = line.rest_updates[-1]
+    line.redirected.clear()
+    if update.status == "completed":
+        return None
+    if update.twiml is not None:
+        return update.twiml
+    assert update.url is not None  # the fake REST API only accepts Twiml, Url or Status
+    return await tw.request(update.url, tw.params("in-progress"), update.method)
 
 
 async def _connect_stream(
@@ -670,6 +712,7 @@ def _turn(line: _Line, t: _CallerTurn, bot: list[Segment], until: float) -> Turn
         rep.bot_first_audio_t = first
         rep.latency_s = first - rep.caller_end_t
         rep.bot_audio_seconds = sum(len(s.audio) for s in mine) / SAMPLE_RATE
+        rep.bot_audio_end_t = max(s.end for s in mine) / SAMPLE_RATE
     clears = [c for p in line.playouts for c in p.clears]
     rep.interrupted = any(t.end_t <= c < until for c in clears)
     return rep

@@ -14,13 +14,15 @@ from ivr.call.stream import handle_stream
 from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.state.admin import admin_router
-from ivr.state.base import CallExists, CallRecord, CallStatus
+from ivr.state.base import CallExists, CallRecord, CallStatus, StoreError
 from ivr.telephony import twilio
 
 log = structlog.get_logger("ivr.app")
 
 STREAM_TOKEN_TTL = 300.0
 NOT_IN_SERVICE = "Sorry, this number is not in service."
+TECHNICAL_PROBLEM = "Sorry, we are having technical problems. Please call back later."
+MAX_STREAMS = 4  # the first stream plus three resumes
 XML = "application/xml"
 
 
@@ -74,18 +76,12 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
         if form is None:
             return Response("invalid signature", status_code=403)
         call_sid = form.get("CallSid", "")
-        record = await gateway.store.get(call_sid) if call_sid else None
-        if record is None or form.get("CallStatus") == "completed":
-            return Response(twilio.hangup_twiml(), media_type=XML)
-        if record.end_action == "transfer" and record.transfer_to:
-            log.info("call.transfer", call_sid=call_sid, pii_number=record.transfer_to)
-            await gateway.store.end(call_sid, CallStatus.ENDED)
-            return Response(twilio.dial_twiml(record.transfer_to), media_type=XML)
-        if record.end_action == "hangup" or record.is_ended:
-            return Response(twilio.hangup_twiml(), media_type=XML)
-        # The stream dropped without a decision to end: resume on a new stream (any instance).
-        log.info("call.resume_requested", call_sid=call_sid, node=record.node)
-        return await _stream_twiml(gateway, record)
+        try:
+            return await _after_stream(gateway, call_sid, form.get("CallStatus", ""))
+        except StoreError as exc:
+            # Without the record we cannot resume or transfer; say so rather than fail with 500.
+            log.error("call.after_stream_failed", call_sid=call_sid, error=str(exc))
+            return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
 
     @app.websocket("/twilio/stream/{token}")
     async def stream(ws: WebSocket, token: str) -> None:
@@ -107,6 +103,32 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Response:
+    """Twilio asks what to do now that the stream is over: <Dial>, <Hangup/> or a new stream."""
+    record = await gateway.store.get(call_sid) if call_sid else None
+    if record is None:
+        return Response(twilio.hangup_twiml(), media_type=XML)
+    if call_status == "completed":  # the caller is gone: a missed `stop` must not leave it live
+        if not record.is_ended:
+            await gateway.store.end(call_sid, CallStatus.ENDED)
+        return Response(twilio.hangup_twiml(), media_type=XML)
+    if record.end_action == "transfer" and record.transfer_to:
+        log.info("call.transfer", call_sid=call_sid, pii_number=record.transfer_to)
+        await gateway.store.end(call_sid, CallStatus.ENDED)
+        return Response(twilio.dial_twiml(record.transfer_to), media_type=XML)
+    if record.end_action == "hangup" or record.is_ended:
+        return Response(twilio.hangup_twiml(), media_type=XML)
+    if record.stream_count >= MAX_STREAMS:
+        # Resuming keeps failing (a stream that dies at once, a flow that crashes): stop the
+        # loop with an apology instead of reconnecting the caller forever.
+        log.error("call.resume_limit", call_sid=call_sid, streams=record.stream_count)
+        await gateway.store.end(call_sid, CallStatus.ENDED)
+        return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
+    # The stream dropped without a decision to end: resume on a new stream (any instance).
+    log.info("call.resume_requested", call_sid=call_sid, node=record.node)
+    return await _stream_twiml(gateway, record)
 
 
 async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | None:

@@ -20,7 +20,7 @@ from ivr.flows.model import Flow
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.runner import FlowRunner
 from ivr.gateway import Gateway
-from ivr.state.base import CallRecord, StoreError
+from ivr.state.base import CallRecord, StoreError, StreamSuperseded, fenced
 
 log = structlog.get_logger("ivr.conversation")
 
@@ -68,9 +68,14 @@ def attach_flows(gateway: Gateway) -> FlowRegistry:
     async def conversation(io: CallIO, record: CallRecord) -> None:
         flow = versions.get(record.flow_version) or _current(registry, record)
         saved = FlowState.model_validate(record.flow_state) if record.flow_state else None
+        if saved is not None and saved.done:
+            # Dropped while the goodbye or transfer prompt played: finish what was decided.
+            await _leave(io, saved)
+            return
+        stream_sid = record.stream_sid or ""
 
         async def persist(state: FlowState) -> None:
-            await _persist(gateway, record.call_sid, state, io)
+            await _persist(gateway, record.call_sid, stream_sid, state, io)
 
         runner = FlowRunner(
             flow,
@@ -104,11 +109,23 @@ def _current(registry: FlowRegistry, record: CallRecord) -> Flow:
         return registry.flow_for_number(record.to_number)
 
 
-async def _persist(gateway: Gateway, call_sid: str, state: FlowState, io: Any) -> None:
+async def _leave(io: CallIO, state: FlowState) -> None:
+    if state.outcome == "transfer" and state.transfer_to:
+        await io.transfer(state.transfer_to)
+    else:
+        await io.hangup()
+
+
+async def _persist(
+    gateway: Gateway, call_sid: str, stream_sid: str, state: FlowState, io: Any
+) -> None:
     data = state.model_dump(mode="json")
     turns = io.unsaved_turns() if hasattr(io, "unsaved_turns") else []
 
     def save(record: CallRecord) -> None:
+        if state.done:  # decided before the last prompt plays: a drop now must not resume it
+            record.end_action = "transfer" if state.outcome == "transfer" else "hangup"
+            record.transfer_to = state.transfer_to or ""
         record.flow_state = data
         record.node = state.node
         record.variables = dict(state.vars)
@@ -120,6 +137,8 @@ async def _persist(gateway: Gateway, call_sid: str, state: FlowState, io: Any) -
             record.add_turn(turn)
 
     try:
-        await gateway.store.update(call_sid, save)
+        await gateway.store.update(call_sid, fenced(stream_sid, save))
+    except StreamSuperseded:
+        raise  # a newer stream carries the call: this one must stop
     except StoreError as exc:  # the call goes on; the store logs and counts its own outage
         log.error("flow.persist_failed", error=str(exc))

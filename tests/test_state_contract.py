@@ -199,12 +199,17 @@ async def test_list_active_is_most_recent_first_and_honours_limit(store: CallSto
     assert [r.call_sid for r in await store.list_active(2)] == ["CA-1", "CA-3"]
 
 
-async def test_a_stream_token_maps_to_its_call_until_it_expires(store: CallStore) -> None:
+async def test_a_stream_token_admits_one_stream(store: CallStore) -> None:
+    await store.put_stream_token("CA0001", "tok-abc", ttl=30)
+    assert await store.redeem_stream_token("tok-abc") == "CA0001"
+    assert await store.redeem_stream_token("tok-abc") is None, "a token is good for one stream"
+    assert await store.redeem_stream_token("tok-other") is None
+
+
+async def test_a_stream_token_expires(store: CallStore) -> None:
     await store.put_stream_token("CA0001", "tok-abc", ttl=0.3)
-    assert await store.check_stream_token("tok-abc") == "CA0001"
-    assert await store.check_stream_token("tok-other") is None
     await asyncio.sleep(0.45)
-    assert await store.check_stream_token("tok-abc") is None
+    assert await store.redeem_stream_token("tok-abc") is None
 
 
 async def test_concurrent_updates_in_one_process_are_all_kept(store: CallStore) -> None:
@@ -239,3 +244,16 @@ def test_a_record_loaded_from_json_keeps_its_bounds_and_rejects_unknown_fields()
     assert [m.content for m in CallRecord.model_validate(raw).history] == ["2", "3"]
     with pytest.raises(ValueError, match="colour"):
         CallRecord.model_validate(raw | {"colour": "red"})
+
+
+def test_redaction_masks_the_numbers_in_flow_variables_too() -> None:
+    record = CallRecord(
+        call_sid="CA1",
+        from_number="+14155550123",
+        to_number="+15550100001",
+        variables={"caller": "+14155550123", "account": "12345"},
+        flow_state={"vars": {"called": "+15550100001"}},
+    )
+    shown = record.redacted().model_dump_json()
+    assert "+14155550123" not in shown and "+15550100001" not in shown
+    assert '"account":"12345"' in shown.replace(" ", "")

@@ -87,7 +87,8 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
         newcomer = await store.create(a_call("CA-new"))  # new calls are still answered
         await store.update("CA-new", turn(0))
         await store.put_stream_token("CA-new", "tok-new", ttl=60)
-        assert await store.check_stream_token("tok-new") == "CA-new"
+        await store.put_stream_token("CA-new", "tok-later", ttl=60)
+        assert await store.redeem_stream_token("tok-new") == "CA-new"
         during = await store.get("CA-live")
         active = {r.call_sid for r in await store.list_active(10)}
         server.start()  # empty: no persistence, like a replacement Redis
@@ -101,7 +102,9 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
     assert in_redis == await store.get("CA-live")
     new_in_redis = await direct.get("CA-new")
     assert new_in_redis is not None and new_in_redis.node == "node-0"
-    assert await direct.check_stream_token("tok-new") == "CA-new"
+    # The unspent token was written back; the spent one was not.
+    assert await direct.redeem_stream_token("tok-later") == "CA-new"
+    assert await direct.redeem_stream_token("tok-new") is None
     stats = store.statistics()
     assert stats.writes_queued >= 22 and stats.reconciled == 2 and stats.pending == 0
     assert stats.failures >= 1 and stats.dropped == 0

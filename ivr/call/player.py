@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 FRAME_BYTES = 160  # 20 ms of 8 kHz mu-law
 BYTES_PER_SECOND = 8000
 ULAW_SILENCE = b"\xff"
+SPOKEN_S_PER_CHAR = 0.06  # ~16 characters a second, typical of TTS voices
 
 SendText = Callable[[str], Awaitable[None]]
 
@@ -47,7 +48,12 @@ class Segment:
             return 1.0
         if self.play_start is None or now <= self.play_start or self.total_bytes == 0:
             return 0.0
-        return min(1.0, (now - self.play_start) / self.duration)
+        # While TTS is still producing this sentence, its length is not known yet: measure
+        # against what speaking the whole text takes, not against the audio received so far.
+        length = (
+            self.duration if self.closed else max(self.duration, len(self.text) * SPOKEN_S_PER_CHAR)
+        )
+        return min(1.0, (now - self.play_start) / length)
 
 
 def heard_prefix(text: str, fraction: float) -> str:

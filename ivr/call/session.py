@@ -10,6 +10,7 @@ buffer, cancels LLM/TTS work and keeps only what the caller heard.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from ivr.tts.base import TextToSpeech
 log = structlog.get_logger("ivr.call")
 
 LLM_FAILURE_PROMPT = "Sorry, I'm having trouble answering right now."
+TRANSFER_FAILED_PROMPT = "Sorry, I can't transfer your call right now. Please call back later."
+E164 = re.compile(r"\+[1-9]\d{6,14}")
 INPUT_QUEUE_SIZE = 32
 STT_QUEUE_SIZE = 4
 
@@ -104,6 +107,11 @@ class CallSession:
         self._stt_queue: asyncio.Queue[_PendingUtterance] = asyncio.Queue(STT_QUEUE_SIZE)
         self._pcm_tail = b""
         self._caller_speaking = False
+        self._speech_started_at: float | None = None
+        """Stream time the current caller utterance began; None when the caller is quiet."""
+        self._caller_confirmed = False
+        """The current utterance has lasted min_speech_ms: real speech, not a click."""
+        self._min_speech_s = endpointer.config.min_speech_ms / 1000
         self._stt_busy = 0
         self._speech: _Speech | None = None
         self._turn: TurnTimings | None = None
@@ -122,17 +130,29 @@ class CallSession:
             frame = pcm[offset : offset + FRAME_BYTES_PCM16]
             t = stream_time + (offset / FRAME_BYTES_PCM16) * frame_s
             offset += FRAME_BYTES_PCM16
-            event = self._endpointer.push(frame, t + frame_s)
+            event = self._endpointer.push(frame, t)
             if event is not None:
                 await self._on_endpoint(event, t + frame_s)
+            elif self._speech_started_at is not None and not self._caller_confirmed:
+                await self._confirm_speech(t + frame_s)
         self._pcm_tail = pcm[offset:]
+
+    async def _confirm_speech(self, stream_now: float) -> None:
+        """Barge in only once the sound has lasted min_speech_ms: a click or a cough that the
+        endpointer will discard must not cut the bot off."""
+        assert self._speech_started_at is not None
+        if stream_now - self._speech_started_at >= self._min_speech_s:
+            self._caller_confirmed = True
+            await self._barge_in("speech")
 
     async def _on_endpoint(self, event: object, stream_now: float) -> None:
         if isinstance(event, SpeechStarted):
             self._caller_speaking = True
-            await self._barge_in("speech")
+            self._speech_started_at = event.t
+            self._caller_confirmed = False
+            await self._confirm_speech(stream_now)
         elif isinstance(event, SpeechEnded):
-            self._caller_speaking = False
+            self._end_caller_speech()
             now = self._clock()
             # Map stream time back to our clock: the caller stopped (stream_now - end) ago.
             speech_end = now - max(0.0, stream_now - event.t_end_of_speech)
@@ -144,7 +164,21 @@ class CallSession:
                 self._stt_queue.get_nowait()
             self._stt_queue.put_nowait(pending)
         else:  # discarded: too short to be speech
-            self._caller_speaking = False
+            self._end_caller_speech()
+
+    def _end_caller_speech(self) -> None:
+        self._caller_speaking = False
+        self._caller_confirmed = False
+        self._speech_started_at = None
+
+    def _caller_has_the_floor(self) -> bool:
+        """The caller is talking, or has said or pressed something not yet acted on."""
+        return (
+            self._caller_confirmed
+            or self._stt_busy > 0
+            or not self._stt_queue.empty()
+            or not self._inputs.empty()
+        )
 
     async def on_dtmf(self, digit: str) -> None:
         await self._barge_in("dtmf")
@@ -211,7 +245,8 @@ class CallSession:
             except TimeoutError:
                 if digits:
                     return Digits(digits)
-                if self._clock() >= deadline and not self._caller_speaking:
+                answering = self._caller_speaking or self._stt_busy or not self._stt_queue.empty()
+                if self._clock() >= deadline and not answering:
                     return NoInput()
                 continue
             if isinstance(item, HungUp):
@@ -260,24 +295,19 @@ class CallSession:
         self, chunks: AsyncIterator[str], interruptible: bool, from_llm: bool
     ) -> Spoken:
         speech = _Speech(interruptible)
-        return await self._run_speech(
-            speech, self._produce(chunks, speech, from_llm), stale_if_caller_speaks=from_llm
-        )
+        return await self._run_speech(speech, self._produce(chunks, speech, from_llm))
 
-    async def _run_speech(
-        self,
-        speech: _Speech,
-        produce: Coroutine[Any, Any, None],
-        *,
-        stale_if_caller_speaks: bool = False,
-    ) -> Spoken:
+    async def _run_speech(self, speech: _Speech, produce: Coroutine[Any, Any, None]) -> Spoken:
         speech.turn, self._turn = self._turn, None
+        if speech.interruptible and self._caller_has_the_floor():
+            # The caller is talking (they went on after a pause, or barged into the previous
+            # prompt) or has answered already: speaking now would talk over them or answer
+            # half a sentence. Their input comes through listen().
+            produce.close()
+            metrics.BARGE_INS.labels("before_start").inc()
+            return Spoken(text_heard="", interrupted=True)
         self._speech = speech
         speech.producer = asyncio.ensure_future(produce)
-        if stale_if_caller_speaks and self._caller_speaking:
-            # The caller went on talking after the pause that ended their turn: this reply
-            # answers half a sentence. Drop it now; their full turn comes through listen().
-            await self._barge_in("speech")
         try:
             # wait() rather than await: a barge-in cancels the producer, not us.
             await asyncio.wait({speech.producer})
@@ -293,7 +323,9 @@ class CallSession:
             self._speech = None
         if speech.interrupted:
             return Spoken(text_heard=speech.heard or "", interrupted=True)
-        return Spoken(text_heard=" ".join(s.text for s in speech.segments).strip())
+        # A sentence TTS failed on was never heard: keep only segments that had audio.
+        heard = " ".join(s.text for s in speech.segments if s.total_bytes > 0)
+        return Spoken(text_heard=heard.strip())
 
     async def _produce(self, chunks: AsyncIterator[str], speech: _Speech, from_llm: bool) -> None:
         """Text pieces -> sentences -> TTS -> player; LLM deltas overlap with synthesis."""
@@ -324,9 +356,7 @@ class CallSession:
                 if not said_anything:
                     await sentences.put(LLM_FAILURE_PROMPT)
             finally:
-                aclose = getattr(chunks, "aclose", None)
-                if aclose is not None:
-                    await aclose()  # closes the provider's HTTP stream on barge-in too
+                await _aclose(chunks)  # closes the provider's HTTP stream on barge-in too
             await sentences.put(None)
 
         async def synthesise() -> None:
@@ -354,14 +384,19 @@ class CallSession:
         if turn is not None and turn.tts_start is None:
             turn.tts_start = started
         try:
-            async for pcm in self._tts.synthesize(text):
-                if first:
-                    first = False
-                    now = self._clock()
-                    metrics.TTS_TTFB.labels(self._tts.name).observe(now - started)
-                    if turn is not None and turn.tts_first_byte is None:
-                        turn.tts_first_byte = now
-                await self._write_pcm(segment, resampler.push(pcm), speech)
+            stream = self._tts.synthesize(text)
+            try:
+                async for pcm in stream:
+                    if first:
+                        first = False
+                        now = self._clock()
+                        metrics.TTS_TTFB.labels(self._tts.name).observe(now - started)
+                        if turn is not None and turn.tts_first_byte is None:
+                            turn.tts_first_byte = now
+                    await self._write_pcm(segment, resampler.push(pcm), speech)
+            finally:
+                # A barge-in that lands while write() waits must still close the TTS stream.
+                await _aclose(stream)
             await self._write_pcm(segment, resampler.flush(), speech)
         except ProviderError as exc:
             metrics.PROVIDER_ERRORS.labels("tts", self._tts.name, type(exc).__name__).inc()
@@ -413,7 +448,22 @@ class CallSession:
     # -- CallIO: leaving ------------------------------------------------------------------
 
     async def transfer(self, number: str) -> None:
+        if not E164.fullmatch(number):
+            # A template that rendered empty, or a number a caller or a model made up: never
+            # dial it. Say so and end the call rather than loop or dial garbage.
+            log.error("transfer.invalid_number", pii_number=number)
+            metrics.PROVIDER_ERRORS.labels("transfer", "twilio", "invalid_number").inc()
+            await self.say(TRANSFER_FAILED_PROMPT, interruptible=False)
+            self._on_end(CallEnd("hangup"))
+            return
         self._on_end(CallEnd("transfer", number))
 
     async def hangup(self) -> None:
         self._on_end(CallEnd("hangup"))
+
+
+async def _aclose(stream: object) -> None:
+    """Close an async generator (the seams promise only an AsyncIterator)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -25,7 +26,7 @@ from ivr.call.session import CallEnd, CallSession
 from ivr.errors import ProtocolError
 from ivr.gateway import Gateway
 from ivr.obs import metrics
-from ivr.state.base import CallRecord, CallStatus
+from ivr.state.base import CallRecord, CallStatus, StreamSuperseded, fenced
 from ivr.telephony import twilio
 from ivr.telephony.rest import rest_from_settings
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
@@ -75,7 +76,7 @@ async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
         finally:
             metrics.ACTIVE_CALLS.dec()
             metrics.CALLS.labels(outcome.reason).inc()
-            await _finish(gateway, start.call_sid, outcome)
+            await _finish(gateway, start, outcome)
             await _close(ws, 1000)
             log.info("call.stream_ended", outcome=outcome.reason)
 
@@ -91,7 +92,7 @@ async def _authorise(ws: WebSocket, token: str, gateway: Gateway) -> str | None:
     elif not gateway.accepts_unsigned:
         await ws.close(POLICY_VIOLATION)
         return None
-    call_sid = await gateway.store.check_stream_token(token)
+    call_sid = await gateway.store.redeem_stream_token(token)
     if call_sid is None:
         log.warning("stream.unknown_token")
         metrics.PROTOCOL_ERRORS.labels("bad_token").inc()
@@ -101,7 +102,10 @@ async def _authorise(ws: WebSocket, token: str, gateway: Gateway) -> str | None:
 
 async def _wait_for_start(ws: WebSocket) -> Start:
     while True:
-        message = twilio.parse_message(await ws.receive_text())
+        raw = await ws.receive()
+        if raw["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(raw.get("code", 1000))
+        message = twilio.parse_message(raw.get("text") or raw.get("bytes") or b"")
         if isinstance(message, Start):
             return message
         if isinstance(message, Stop):
@@ -167,14 +171,8 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finished = done.pop()
-        if finished is conversation:
-            outcome.reason = outcome.end.action if outcome.end else "flow_ended"
-        elif not finished.cancelled() and finished.exception() is None:
-            outcome.reason = finished.result() or "disconnect"
-        if not finished.cancelled() and finished.exception() is not None:
-            outcome.reason = "error"
-            log.error("call.task_failed", task=finished.get_name(), exc_info=finished.exception())
-        elif finished is conversation and outcome.end and outcome.end.action == "transfer":
+        _record_outcome(outcome, finished, conversation)
+        if finished is conversation and outcome.end and outcome.end.action == "transfer":
             outcome.redirected = await _transfer_by_rest(
                 gateway, start.call_sid, outcome.end, receive
             )
@@ -186,6 +184,29 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
             vad.close()
     if outcome.reason in ("stop", "disconnect"):
         session.on_hangup()
+
+
+def _record_outcome(
+    outcome: _Outcome, finished: asyncio.Task[Any], conversation: asyncio.Task[None] | None
+) -> None:
+    """Why the call left this stream, from the task that ended first."""
+    error = None if finished.cancelled() else finished.exception()
+    if isinstance(error, StreamSuperseded):
+        outcome.reason = "superseded"
+        log.warning("call.stream_superseded", detail=str(error))
+    elif finished is conversation:
+        if error is not None:
+            log.error("call.flow_failed", exc_info=error)
+        # The flow ended (hung up, transferred, failed or simply ran out): never resume it, or
+        # Twilio's <Connect action> request would start it again and again.
+        outcome.end = outcome.end or CallEnd("hangup")
+        outcome.reason = "error" if error is not None else outcome.end.action
+    elif error is not None:
+        # The socket broke under the receive loop or the sender: like a drop, resumable.
+        log.warning("call.stream_failed", task=finished.get_name(), error=repr(error))
+        outcome.reason = "disconnect"
+    else:
+        outcome.reason = finished.result() or "disconnect"
 
 
 async def _transfer_by_rest(
@@ -265,7 +286,10 @@ async def _attach(gateway: Gateway, start: Start) -> CallRecord:
     return await gateway.store.update(start.call_sid, attach)
 
 
-async def _finish(gateway: Gateway, call_sid: str, outcome: _Outcome) -> None:
+async def _finish(gateway: Gateway, start: Start, outcome: _Outcome) -> None:
+    if outcome.reason == "superseded":
+        return  # a newer stream owns the record now
+    call_sid = start.call_sid
     end = outcome.end
     turns = outcome.session.unsaved_turns() if outcome.session is not None else []
 
@@ -284,11 +308,13 @@ async def _finish(gateway: Gateway, call_sid: str, outcome: _Outcome) -> None:
             record.status = CallStatus.RECONNECTING
 
     try:
-        await gateway.store.update(call_sid, mark)
+        await gateway.store.update(call_sid, fenced(start.stream_sid, mark))
         if outcome.redirected:  # no action request follows a REST redirect: end the record here
             await gateway.store.end(call_sid, CallStatus.TRANSFERRING)
         elif outcome.reason == "stop" or (end is not None and end.action == "hangup"):
             await gateway.store.end(call_sid, CallStatus.ENDED)
+    except StreamSuperseded:
+        log.info("call.finish_skipped", reason="a newer stream carries the call")
     except Exception as exc:  # the call is over either way; never fail teardown
         log.error("call.finish_failed", error=repr(exc))
 

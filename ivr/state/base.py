@@ -10,12 +10,14 @@ any instance can load.
         ├── CallExists         create() for a call_sid that is already stored
         ├── CallNotFound       update()/end() for a call_sid that is not stored
         ├── UpdateConflict     update() lost the compare-and-set race too many times
+        ├── StreamSuperseded   a newer stream carries the call (see ``fenced``)
         └── CorruptRecord      a stored value is not a valid CallRecord (names the key)
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -56,6 +58,28 @@ class UpdateConflict(StoreError):
         super().__init__(f"call {call_sid!r}: update lost the version race {attempts} times")
         self.call_sid = call_sid
         self.attempts = attempts
+
+
+class StreamSuperseded(StoreError):
+    """A newer stream carries this call: the old one must stop writing and end."""
+
+    def __init__(self, call_sid: str, stream_sid: str, current: str | None) -> None:
+        super().__init__(f"call {call_sid!r}: stream {stream_sid} was replaced by {current}")
+        self.call_sid = call_sid
+
+
+def fenced(stream_sid: str, mutate: Mutator) -> Mutator:
+    """``mutate`` applied only while ``stream_sid`` still carries the call.
+
+    A half-open old stream (its socket not yet dead) must not overwrite the live call's state.
+    """
+
+    def apply(record: CallRecord) -> None:
+        if record.stream_sid != stream_sid:
+            raise StreamSuperseded(record.call_sid, stream_sid, record.stream_sid)
+        mutate(record)
+
+    return apply
 
 
 class CorruptRecord(StoreError):
@@ -161,11 +185,19 @@ class CallRecord(BaseModel):
 
     def redacted(self) -> CallRecord:
         """A copy safe for listings and logs: personal-data fields masked."""
-        masked = {
+        masked: dict[str, Any] = {
             name: mask(getattr(self, name))
             for name, field in type(self).model_fields.items()
             if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("pii")
         }
+        # The same numbers also reach flow variables (`caller`, `called`): mask them there too.
+        numbers = {getattr(self, name): value for name, value in masked.items() if value}
+        if numbers:
+            for name in ("variables", "flow_state"):
+                raw = json.dumps(getattr(self, name))
+                for number, hidden in numbers.items():
+                    raw = raw.replace(json.dumps(number)[1:-1], hidden)
+                masked[name] = json.loads(raw)
         return self.model_copy(update=masked, deep=True)
 
     def to_json(self) -> str:
@@ -249,8 +281,9 @@ class CallStore(Protocol):
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...
 
-    async def check_stream_token(self, token: str) -> str | None:
-        """The call_sid the token was minted for, or None if unknown or expired."""
+    async def redeem_stream_token(self, token: str) -> str | None:
+        """The call_sid the token was minted for, once: a token admits a single stream (a
+        replayed or duplicate handshake gets None). None too if unknown or expired."""
         ...
 
     async def ping(self) -> bool: ...

@@ -87,12 +87,9 @@ class MemoryCallStore:
             self._tokens = {t: e for t, e in self._tokens.items() if e[1] > now}
         self._tokens[token] = (call_sid, now + ttl)
 
-    async def check_stream_token(self, token: str) -> str | None:
-        entry = self._tokens.get(token)
-        if entry is None:
-            return None
-        if time.monotonic() >= entry[1]:
-            del self._tokens[token]
+    async def redeem_stream_token(self, token: str) -> str | None:
+        entry = self._tokens.pop(token, None)
+        if entry is None or time.monotonic() >= entry[1]:
             return None
         return entry[0]
 

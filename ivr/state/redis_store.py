@@ -196,9 +196,9 @@ class RedisCallStore:
         with _mapped("put_stream_token", call_sid):
             await self._redis.set(self.token_key(token), call_sid, px=max(1, int(ttl * 1000)))
 
-    async def check_stream_token(self, token: str) -> str | None:
-        with _mapped("check_stream_token"):
-            raw = await self._redis.get(self.token_key(token))
+    async def redeem_stream_token(self, token: str) -> str | None:
+        with _mapped("redeem_stream_token"):
+            raw = await self._redis.getdel(self.token_key(token))
         return None if raw is None else _text(raw)
 
     async def ping(self) -> bool:

@@ -205,16 +205,20 @@ class ResilientCallStore:
         self._pending_tokens[token] = entry
         self._wake.set()
 
-    async def check_stream_token(self, token: str) -> str | None:
-        entry = self._tokens.get(token)
+    async def redeem_stream_token(self, token: str) -> str | None:
+        entry = self._tokens.pop(token, None)
+        self._pending_tokens.pop(token, None)
         if entry is not None and entry[1] > time.monotonic():
+            if not self.degraded:
+                with contextlib.suppress(StoreUnavailable):
+                    await self.primary.redeem_stream_token(token)  # spend it everywhere
             return entry[0]
         if self.degraded:
             return None
         try:
-            return await self.primary.check_stream_token(token)
+            return await self.primary.redeem_stream_token(token)
         except StoreUnavailable as exc:
-            self._degrade("check_stream_token", exc)
+            self._degrade("redeem_stream_token", exc)
             return None
 
     async def ping(self) -> bool:

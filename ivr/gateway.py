@@ -24,6 +24,7 @@ from ivr.obs import metrics
 from ivr.providers import build_llm, build_stt, build_tts
 from ivr.state.base import CallRecord, CallStore
 from ivr.stt.base import SpeechToText
+from ivr.telephony.rest import TwilioRest, rest_from_settings
 from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
 
@@ -64,6 +65,8 @@ class Gateway:
             if settings.twilio_auth_token
             else None
         )
+        self.rest: TwilioRest | None = None
+        """Twilio's REST API (transfers), when an account SID and token are configured."""
         self.conversation: Conversation | None = None
         self.pin_flow: Callable[[CallRecord], None] | None = None
         """Sets flow_name/flow_version on a new call's record (raises LookupError: no flow)."""
@@ -104,6 +107,9 @@ class Gateway:
                     detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
                     "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
                 )
+        self.rest = rest_from_settings(settings)
+        if self.rest is not None:
+            self.on_close(self.rest.aclose)
         metrics.watch_store(self.store)
         start_store = getattr(self.store, "start", None)
         if start_store is not None:

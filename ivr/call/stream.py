@@ -28,7 +28,6 @@ from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.state.base import CallRecord, CallStatus, StreamSuperseded, fenced
 from ivr.telephony import twilio
-from ivr.telephony.rest import rest_from_settings
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
 log = structlog.get_logger("ivr.stream")
@@ -218,7 +217,7 @@ async def _transfer_by_rest(
     answers ``<Dial>`` too. After a redirect Twilio ends the stream with ``stop``: that is the
     transfer completing, not the caller hanging up, so wait for it (bounded) without acting on it.
     """
-    rest = rest_from_settings(gateway.settings)
+    rest = gateway.rest  # one client per gateway: transfers reuse its connection
     if rest is None:
         return False
 
@@ -230,8 +229,7 @@ async def _transfer_by_rest(
         await gateway.store.update(call_sid, decide)
     except Exception as exc:  # without the stored decision the action path can't Dial either
         log.error("call.transfer_store_failed", error=repr(exc))
-    async with rest:
-        redirected = await rest.redirect(call_sid, twilio.dial_twiml(end.number))
+    redirected = await rest.redirect(call_sid, twilio.dial_twiml(end.number))
     if redirected:
         log.info("call.transfer_redirected", pii_number=end.number)
         await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)

@@ -16,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["call"]:
         # The simulated caller owns its (long) option list.
-        from ivr.sim.caller import run_cli
+        from ivr.sim.cli import run_cli
 
         return run_cli(args_list[1:])
     parser = argparse.ArgumentParser(prog="ivr", description="Telephony voice-AI gateway")

@@ -1,6 +1,7 @@
 """A simulated Twilio caller: voice webhook + Media Streams, for driving the gateway offline."""
 
-from ivr.sim.caller import CallReport, TurnReport, place_call, run_cli
+from ivr.sim.caller import CallReport, TurnReport, place_call
+from ivr.sim.cli import run_cli
 from ivr.sim.playout import TwilioPlayout
 from ivr.sim.script import Script, ScriptError, load_script, script_from_strings
 

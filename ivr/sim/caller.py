@@ -6,31 +6,27 @@
 the stream, following a new ``<Connect><Stream>`` if that is what comes back. The Twilio side is
 written from the protocol reference, not from the gateway's parser, so each checks the other.
 
-All times in the report are seconds since the call was placed.
+All times in the report are seconds since the call was placed. The report types live in
+``ivr.sim.report``, the HTTP side in ``ivr.sim.webhook``, the command line in ``ivr.sim.cli``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
 import json
-import os
 import secrets
-import sys
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urljoin, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import numpy as np
 import soxr
-from twilio.request_validator import RequestValidator
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
@@ -46,6 +42,7 @@ from ivr.sim.playout import (
     ulaw_encode,
     write_wav,
 )
+from ivr.sim.report import CallReport, StreamReport, TurnReport
 from ivr.sim.rest_api import CallUpdate, FakeTwilioRestApi
 from ivr.sim.script import (
     BargeIn,
@@ -57,9 +54,16 @@ from ivr.sim.script import (
     Silence,
     Synthesize,
     Wav,
-    load_script,
     render_script,
     script_from_data,
+)
+from ivr.sim.webhook import (
+    CallFailed,
+    CallIds,
+    StreamTwiml,
+    TwilioSide,
+    parse_stream,
+    rebase,
 )
 
 Transcriber = Callable[[bytes], Awaitable[str]]
@@ -67,95 +71,6 @@ Transcriber = Callable[[bytes], Awaitable[str]]
 
 _FRAME_S = FRAME_BYTES / SAMPLE_RATE
 _POLL_S = 0.02
-
-
-# -- report -------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class TurnReport:
-    caller_text: str | None
-    """What the caller said/pressed; None for the bot's greeting."""
-    caller_start_t: float
-    caller_end_t: float
-    """End of caller speech (greeting: when the stream started)."""
-    bot_first_audio_t: float | None = None
-    latency_s: float | None = None
-    """caller_end_t -> first bot sample played at the caller."""
-    bot_audio_seconds: float = 0.0
-    bot_audio_end_t: float | None = None
-    """When the last bot audio of this turn finished playing."""
-    interrupted: bool = False
-    """A ``clear`` arrived during this bot turn."""
-    bot_text: str | None = None
-
-
-@dataclass(slots=True)
-class StreamReport:
-    url: str
-    stream_sid: str
-    started_t: float
-    ended_t: float = 0.0
-    ended_by: str = ""
-    """``caller`` (stop sent), ``gateway`` (it closed the socket), ``rest`` (a REST update
-    replaced the TwiML: stop sent) or ``handshake-failed``."""
-    custom_parameters: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class CallReport:
-    call_sid: str
-    account_sid: str
-    turns: list[TurnReport] = field(default_factory=list)
-    streams: list[StreamReport] = field(default_factory=list)
-    marks_echoed: int = 0
-    marks_cleared: int = 0
-    clears: list[float] = field(default_factory=list)
-    violations: list[Violation] = field(default_factory=list)
-    twiml: list[str] = field(default_factory=list)
-    """Every TwiML document received: voice webhook first, then each action response."""
-    closing_twiml: str | None = None
-    resume_gaps_s: list[float] = field(default_factory=list)
-    """Gateway closed a stream -> the next stream started (when the action resumed the call)."""
-    errors: list[str] = field(default_factory=list)
-    duration_s: float = 0.0
-    rest_update_t: list[float] = field(default_factory=list)
-    """When each REST update of this call reached the fake REST API."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def format_transcript(self) -> str:
-        lines = [f"call {self.call_sid}  ({self.duration_s:.1f} s)"]
-        for s in self.streams:
-            lines.append(f"{s.started_t:7.2f}  stream {s.stream_sid} ({s.url})")
-        for t in self.turns:
-            if t.caller_text is not None:
-                lines.append(f"{t.caller_start_t:7.2f}  CALLER  {t.caller_text}")
-            lines.append(_bot_line(t))
-        for s in self.streams:
-            lines.append(f"{s.ended_t:7.2f}  stream {s.stream_sid} ended by {s.ended_by}")
-        if self.resume_gaps_s:
-            lines.append("resume gaps: " + ", ".join(f"{g:.2f} s" for g in self.resume_gaps_s))
-        lines.append(f"closing TwiML: {self.closing_twiml or '(none)'}")
-        lines.append(
-            f"marks echoed {self.marks_echoed} ({self.marks_cleared} by clear), "
-            f"clears {len(self.clears)}, protocol violations {len(self.violations)}"
-        )
-        lines += [f"  violation {v.t:.2f} {v.code}: {v.reason}" for v in self.violations]
-        lines += [f"  error: {e}" for e in self.errors]
-        return "\n".join(lines)
-
-
-def _bot_line(t: TurnReport) -> str:
-    if t.bot_first_audio_t is None:
-        return f"{t.caller_end_t:7.2f}  BOT     (no audio)"
-    said = f'  "{t.bot_text}"' if t.bot_text else ""
-    cut = "  [interrupted]" if t.interrupted else ""
-    return (
-        f"{t.bot_first_audio_t:7.2f}  BOT     {t.bot_audio_seconds:.2f} s audio, "
-        f"latency {t.latency_s:.3f} s{cut}{said}"
-    )
 
 
 # -- the caller's microphone ----------------------------------------------------------------------
@@ -207,22 +122,6 @@ def _noise_frames() -> list[bytes]:
 
 
 # -- one call, across streams ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Ids:
-    call_sid: str
-    account_sid: str
-    from_: str
-    to: str
-
-
-@dataclass(frozen=True, slots=True)
-class _StreamTwiml:
-    url: str
-    parameters: dict[str, str]
-    action: str | None
-    method: str
 
 
 @dataclass(slots=True)
@@ -301,7 +200,9 @@ class _Line:
 class _Session:
     """One Media Stream WebSocket, from ``connected`` to ``stop`` or the gateway's close."""
 
-    def __init__(self, line: _Line, ws: ClientConnection, ids: _Ids, stream: _StreamTwiml) -> None:
+    def __init__(
+        self, line: _Line, ws: ClientConnection, ids: CallIds, stream: StreamTwiml
+    ) -> None:
         self.line = line
         self.ws = ws
         self.ids = ids
@@ -453,79 +354,6 @@ async def _press(line: _Line, step: Press) -> float:
     return t
 
 
-# -- webhooks -------------------------------------------------------------------------------------
-
-
-class _Twilio:
-    """Signed HTTP requests to the gateway, addressed by public URL, sent to the real one."""
-
-    def __init__(
-        self, http: httpx.AsyncClient, http_base: str, public_base: str, token: str, ids: _Ids
-    ) -> None:
-        self.http = http
-        self.http_base = http_base.rstrip("/")
-        self.public_base = public_base.rstrip("/")
-        self.validator = RequestValidator(token)
-        self.ids = ids
-
-    def params(self, status: str) -> dict[str, str]:
-        i = self.ids
-        return {
-            "AccountSid": i.account_sid,
-            "ApiVersion": "2010-04-01",
-            "CallSid": i.call_sid,
-            "CallStatus": status,
-            "Called": i.to,
-            "Caller": i.from_,
-            "Direction": "inbound",
-            "From": i.from_,
-            "To": i.to,
-        }
-
-    async def request(self, public_url: str, params: dict[str, str], method: str = "POST") -> str:
-        public_url = urljoin(self.public_base + "/", public_url)
-        if method.upper() == "GET":
-            public_url += ("&" if "?" in public_url else "?") + str(httpx.QueryParams(params))
-            params = {}
-        sig = self.validator.compute_signature(public_url, params)
-        real = _rebase(public_url, self.http_base)
-        resp = await self.http.request(
-            method.upper(), real, data=params or None, headers={"X-Twilio-Signature": sig}
-        )
-        if resp.status_code != 200:
-            raise _CallFailed(
-                f"{method} {public_url} -> HTTP {resp.status_code}: {resp.text[:200]}"
-            )
-        return resp.text
-
-
-class _CallFailed(Exception):
-    """Twilio would play its 'application error' message here (11200) and hang up."""
-
-
-def _rebase(public_url: str, real_base: str) -> str:
-    p, r = urlsplit(public_url), urlsplit(real_base)
-    return urlunsplit((r.scheme, r.netloc, p.path, p.query, ""))
-
-
-def _parse_stream(twiml: str) -> _StreamTwiml | None:
-    try:
-        root = ET.fromstring(twiml)
-    except ET.ParseError as e:
-        raise _CallFailed(f"TwiML is not XML: {e}") from e
-    if root.tag != "Response":
-        raise _CallFailed(f"TwiML root is <{root.tag}>, not <Response>")
-    for conn in root.iter("Connect"):
-        st = conn.find("Stream")
-        if st is None or not st.get("url"):
-            continue
-        params = {p.get("name", ""): p.get("value", "") for p in st.findall("Parameter")}
-        return _StreamTwiml(
-            st.get("url", ""), params, conn.get("action"), conn.get("method", "POST")
-        )
-    return None
-
-
 # -- the call -------------------------------------------------------------------------------------
 
 
@@ -554,18 +382,18 @@ async def place_call(
         script = script_from_data(list(script), source="<script>")
     steps = await render_script(script, synthesize)
     account_sid = rest_api.account_sid if rest_api else "AC" + secrets.token_hex(16)
-    ids = _Ids("CA" + secrets.token_hex(16), account_sid, from_, to)
+    ids = CallIds("CA" + secrets.token_hex(16), account_sid, from_, to)
     ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
     report = CallReport(ids.call_sid, ids.account_sid)
     line = _Line(time.monotonic(), comfort_noise)
     if rest_api is not None:
         rest_api.add_call(ids.call_sid, from_=from_, to=to, control=line.on_rest_update)
     async with httpx.AsyncClient(timeout=10.0) as http:
-        tw = _Twilio(http, http_base, public_base_url or http_base, auth_token, ids)
+        tw = TwilioSide(http, http_base, public_base_url or http_base, auth_token, ids)
         runner = asyncio.create_task(_run_script(line, steps, script))
         try:
             await _drive(line, tw, ws_base, report, open_timeout)
-        except _CallFailed as e:
+        except CallFailed as e:
             report.errors.append(str(e))
         finally:
             runner.cancel()
@@ -578,13 +406,13 @@ async def place_call(
 
 
 async def _drive(
-    line: _Line, tw: _Twilio, ws_base: str, report: CallReport, open_timeout: float
+    line: _Line, tw: TwilioSide, ws_base: str, report: CallReport, open_timeout: float
 ) -> None:
     twiml = await tw.request("/twilio/voice", tw.params("ringing"))
     closed_at: float | None = None
     while True:
         report.twiml.append(twiml)
-        stream = _parse_stream(twiml)
+        stream = parse_stream(twiml)
         if stream is None:
             report.closing_twiml = twiml
             return
@@ -607,7 +435,7 @@ async def _drive(
         twiml = await tw.request(stream.action, tw.params("in-progress"), stream.method)
 
 
-async def _after_rest_update(line: _Line, tw: _Twilio) -> str | None:
+async def _after_rest_update(line: _Line, tw: TwilioSide) -> str | None:
     """The TwiML a REST update put in charge (None: the update ended the call)."""
     update = line.rest_updates[-1]
     line.redirected.clear()
@@ -620,7 +448,12 @@ async def _after_rest_update(line: _Line, tw: _Twilio) -> str | None:
 
 
 async def _connect_stream(
-    line: _Line, tw: _Twilio, stream: _StreamTwiml, ws_base: str, report: CallReport, open_s: float
+    line: _Line,
+    tw: TwilioSide,
+    stream: StreamTwiml,
+    ws_base: str,
+    report: CallReport,
+    open_s: float,
 ) -> StreamReport:
     url = _check_stream_url(stream.url, line, report)
     info = StreamReport(stream.url, "", 0.0, custom_parameters=dict(stream.parameters))
@@ -631,7 +464,7 @@ async def _connect_stream(
     try:
         async with connect(
             # Twilio does not negotiate permessage-deflate; neither does its stand-in.
-            _rebase(url, ws_base),
+            rebase(url, ws_base),
             additional_headers=headers,
             open_timeout=open_s,
             compression=None,
@@ -737,73 +570,4 @@ async def _transcribe(
 # -- command line ---------------------------------------------------------------------------------
 
 
-class _StepAction(argparse.Action):
-    """Keeps --say/--wav/--press/--silence in the order given on the command line."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        steps = list(getattr(namespace, "steps", None) or [])
-        value = float(values) if self.dest == "silence" else values
-        steps.append({self.dest: value})
-        namespace.steps = steps
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ivr call", description="Call the gateway like Twilio does.")
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="real address of the gateway")
-    p.add_argument("--ws-url", help="real WebSocket base (default: from --url)")
-    p.add_argument("--public-url", help="public base URL the gateway signs with (default: --url)")
-    p.add_argument("--auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"))
-    p.add_argument("--say", "-s", dest="say", action=_StepAction, metavar="TEXT")
-    p.add_argument("--wav", dest="wav", action=_StepAction, metavar="PATH")
-    p.add_argument("--press", dest="press", action=_StepAction, metavar="DIGITS")
-    p.add_argument("--silence", dest="silence", action=_StepAction, metavar="SECONDS")
-    p.add_argument("--script", type=Path, help="YAML call script (steps from flags are appended)")
-    p.add_argument("--from", dest="from_", default="+15550001111")
-    p.add_argument("--to", default="+15550002222")
-    p.add_argument("--record", type=Path, help="write the call as stereo WAV (caller L, bot R)")
-    p.add_argument("--comfort-noise", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    return p
-
-
-def build_script(ns: argparse.Namespace) -> Script:
-    base = load_script(ns.script) if ns.script else None
-    flags = list(getattr(ns, "steps", None) or [])
-    if base is None:
-        return script_from_data(flags, source="command line")
-    data = base.model_dump(exclude_none=True)
-    data["steps"] = [{k: v for k, v in s.items() if k != "kind"} for s in data["steps"]] + flags
-    return script_from_data(data, source=str(ns.script))
-
-
-def run_cli(args: Sequence[str] | None = None, *, transcriber: Transcriber | None = None) -> int:
-    """``ivr call``: 0 when the call ran without errors or protocol violations."""
-    ns = _parser().parse_args(args)
-    if not ns.auth_token:
-        print("ivr call: --auth-token or TWILIO_AUTH_TOKEN is required", file=sys.stderr)
-        return 2
-    if not (ns.script or getattr(ns, "steps", None)):
-        print("ivr call: give --script or at least one --say/--wav/--press", file=sys.stderr)
-        return 2
-    report = asyncio.run(
-        place_call(
-            ns.url,
-            script=build_script(ns),
-            auth_token=ns.auth_token,
-            public_base_url=ns.public_url,
-            ws_base=ns.ws_url,
-            from_=ns.from_,
-            to=ns.to,
-            record_path=ns.record,
-            transcriber=transcriber,
-            comfort_noise=ns.comfort_noise,
-        )
-    )
-    print(json.dumps(report.to_dict(), indent=2) if ns.json else report.format_transcript())
-    return 1 if report.errors or report.violations else 0
+__all__ = ["CallReport", "StreamReport", "Transcriber", "TurnReport", "place_call"]

@@ -131,6 +131,14 @@ class Endpointer:
     def in_speech(self) -> bool:
         return self._in_speech
 
+    @property
+    def voiced_ms(self) -> int:
+        """Voiced time of the utterance in progress, not counting the VAD's hangover: what
+        ``min_speech_ms`` is compared with (so a click never reaches it)."""
+        if not self._in_speech:
+            return 0
+        return max(0, self._voiced - self._hangover_frames) * self._vad.frame_ms
+
     def reset(self) -> None:
         """Forget everything, including an utterance in progress (no event is emitted)."""
         self._preroll.clear()

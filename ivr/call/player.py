@@ -44,9 +44,11 @@ class Segment:
         return self.total_bytes / BYTES_PER_SECOND
 
     def heard_fraction(self, now: float) -> float:
+        if self.total_bytes == 0:  # TTS failed or produced nothing: its mark proves nothing
+            return 0.0
         if self.played.is_set() and not self.dropped:
             return 1.0
-        if self.play_start is None or now <= self.play_start or self.total_bytes == 0:
+        if self.play_start is None or now <= self.play_start:
             return 0.0
         # While TTS is still producing this sentence, its length is not known yet: measure
         # against what speaking the whole text takes, not against the audio received so far.

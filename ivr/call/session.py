@@ -111,7 +111,7 @@ class CallSession:
         """Stream time the current caller utterance began; None when the caller is quiet."""
         self._caller_confirmed = False
         """The current utterance has lasted min_speech_ms: real speech, not a click."""
-        self._min_speech_s = endpointer.config.min_speech_ms / 1000
+        self._min_speech_ms = endpointer.config.min_speech_ms
         self._stt_busy = 0
         self._speech: _Speech | None = None
         self._turn: TurnTimings | None = None
@@ -134,14 +134,13 @@ class CallSession:
             if event is not None:
                 await self._on_endpoint(event, t + frame_s)
             elif self._speech_started_at is not None and not self._caller_confirmed:
-                await self._confirm_speech(t + frame_s)
+                await self._confirm_speech()
         self._pcm_tail = pcm[offset:]
 
-    async def _confirm_speech(self, stream_now: float) -> None:
+    async def _confirm_speech(self) -> None:
         """Barge in only once the sound has lasted min_speech_ms: a click or a cough that the
         endpointer will discard must not cut the bot off."""
-        assert self._speech_started_at is not None
-        if stream_now - self._speech_started_at >= self._min_speech_s:
+        if self._endpointer.voiced_ms >= self._min_speech_ms:
             self._caller_confirmed = True
             await self._barge_in("speech")
 
@@ -150,7 +149,7 @@ class CallSession:
             self._caller_speaking = True
             self._speech_started_at = event.t
             self._caller_confirmed = False
-            await self._confirm_speech(stream_now)
+            await self._confirm_speech()
         elif isinstance(event, SpeechEnded):
             self._end_caller_speech()
             now = self._clock()

@@ -58,7 +58,7 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
         )
         if gateway.pin_flow is not None:
             try:
-                gateway.pin_flow(record)
+                await gateway.pin_flow(record)
             except LookupError as exc:
                 log.error("webhook.no_flow", error=str(exc), pii_to=record.to_number)
                 metrics.WEBHOOKS.labels("no_flow").inc()

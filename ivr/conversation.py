@@ -3,10 +3,17 @@
 Flow state is persisted to the call store after every step, before the step's prompt is
 spoken, so an instance that dies loses at most the turn in progress; the stream that resumes
 the call (on any instance) picks the saved state up and the runner re-enters the node.
+
+The flow version is shared the same way: pinning a call saves the files its version was loaded
+from in the store (once per version and process, renewed before it expires), and an instance
+that has not loaded that version (other files on its disk, or started after an edit) loads it
+from there. Only when those are gone too does the call go on with the current version (logged).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -15,16 +22,19 @@ import structlog
 
 from ivr.call.io import CallIO
 from ivr.flows.events import FlowState
-from ivr.flows.loader import Problem
+from ivr.flows.loader import FlowLoadError, Problem
 from ivr.flows.model import Flow
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.runner import FlowRunner
+from ivr.flows.sources import load_flow_from_sources
 from ivr.gateway import Gateway
-from ivr.state.base import CallRecord, StoreError, StreamSuperseded, fenced
+from ivr.state.base import CallRecord, CallStore, StoreError, StreamSuperseded, fenced
 
 log = structlog.get_logger("ivr.conversation")
 
 MAX_REMEMBERED_VERSIONS = 64
+MIN_SOURCES_TTL = 6 * 3600.0
+"""Shared flow sources outlive any call pinned to them (Twilio caps a call at 4 h)."""
 
 
 class FlowVersions:
@@ -45,12 +55,63 @@ class FlowVersions:
         return self._flows.get(version)
 
 
+class SharedVersions:
+    """Flow versions through the call store, for calls that move between instances."""
+
+    def __init__(self, store: CallStore, registry: FlowRegistry, ttl: float) -> None:
+        self.store, self.registry, self.ttl = store, registry, ttl
+        self._saved: dict[str, float] = {}  # version -> monotonic time of its last save
+
+    async def share(self, flow: Flow) -> None:
+        """Save ``flow``'s sources unless this process did so within half their TTL."""
+        now = time.monotonic()
+        last = self._saved.get(flow.version)
+        if last is not None and now - last < self.ttl / 2:
+            return
+        sources = self.registry.sources(flow)
+        if sources is None:  # why was logged at load; do not retry on every call
+            self._saved[flow.version] = now
+            return
+        try:
+            await self.store.save_flow_sources(flow.version, sources, self.ttl)
+        except StoreError as exc:  # the call goes on; a resume elsewhere may fall back
+            log.error("flows.sources_save_failed", version=flow.version, error=str(exc))
+            return
+        if len(self._saved) >= 1024:
+            self._saved = {v: t for v, t in self._saved.items() if now - t < self.ttl / 2}
+        self._saved[flow.version] = now
+
+    async def fetch(self, name: str, version: str) -> Flow | None:
+        """Flow ``name`` at ``version`` loaded from the sources in the store; None (logged) if
+        they are missing, unloadable or not that version."""
+        try:
+            sources = await self.store.load_flow_sources(version)
+        except StoreError as exc:
+            log.error("flows.sources_load_failed", flow=name, version=version, error=str(exc))
+            return None
+        if sources is None:
+            return None
+        try:
+            flow = await asyncio.to_thread(load_flow_from_sources, sources, name)
+        except FlowLoadError as exc:
+            problems = [str(p) for p in exc.problems]
+            log.error("flows.sources_invalid", flow=name, version=version, problems=problems)
+            return None
+        if flow.version != version:
+            log.error("flows.sources_mismatch", flow=name, version=version, got=flow.version)
+            return None
+        log.info("flows.version_from_store", flow=name, version=version)
+        return flow
+
+
 def attach_flows(gateway: Gateway) -> FlowRegistry:
     """Load ``flows_dir`` (``FlowLoadError`` lists every problem); make it drive the calls."""
     registry = FlowRegistry(gateway.settings.flows_dir)
     registry.load()
     versions = FlowVersions()
     versions.remember(registry.flows)
+    ttl = max(float(gateway.settings.call_ttl_seconds), MIN_SOURCES_TTL)
+    shared = SharedVersions(gateway.store, registry, ttl)
     http = httpx.AsyncClient(timeout=10.0)
     gateway.on_close(http.aclose)
 
@@ -61,12 +122,22 @@ def attach_flows(gateway: Gateway) -> FlowRegistry:
         added = await gateway.prompts.warm(gateway.tts, sorted(registry.static_prompt_texts()))
         log.info("flows.reloaded", refused=len(problems), prompts_synthesised=added)
 
-    def pin(record: CallRecord) -> None:
+    async def pin(record: CallRecord) -> None:
         flow = registry.flow_for_number(record.to_number)
         record.flow_name, record.flow_version = flow.name, flow.version
+        await shared.share(flow)
+
+    async def pinned(record: CallRecord) -> Flow:
+        """The call's flow version: loaded here, else from the store, else the current one."""
+        flow = versions.get(record.flow_version)
+        if flow is None and record.flow_version:
+            flow = await shared.fetch(record.flow_name, record.flow_version)
+            if flow is not None:
+                versions.remember({flow.name: flow})
+        return flow or _current(registry, record)
 
     async def conversation(io: CallIO, record: CallRecord) -> None:
-        flow = versions.get(record.flow_version) or _current(registry, record)
+        flow = await pinned(record)
         saved = FlowState.model_validate(record.flow_state) if record.flow_state else None
         if saved is not None and saved.done:
             # Dropped while the goodbye or transfer prompt played: finish what was decided.

@@ -11,7 +11,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -68,8 +68,9 @@ class Gateway:
         self.rest: TwilioRest | None = None
         """Twilio's REST API (transfers), when an account SID and token are configured."""
         self.conversation: Conversation | None = None
-        self.pin_flow: Callable[[CallRecord], None] | None = None
-        """Sets flow_name/flow_version on a new call's record (raises LookupError: no flow)."""
+        self.pin_flow: Callable[[CallRecord], Awaitable[None]] | None = None
+        """Sets flow_name/flow_version on a new call's record and shares that flow version
+        through the store (raises LookupError: no flow)."""
         self.static_prompts: Callable[[], set[str]] = set
         self._exit = contextlib.AsyncExitStack()
         self._background_factories: list[Callable[[], Coroutine[Any, Any, None]]] = []

@@ -284,9 +284,15 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    log_dir: Path, fake: FakeOpenAIServer, redis_url: str, *, instances: int = 2
+    log_dir: Path,
+    fake: FakeOpenAIServer,
+    redis_url: str,
+    *,
+    instances: int = 2,
+    per_instance: list[dict[str, str]] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """``instances`` real ``ivr serve`` processes on one Redis (fresh prefix), behind one LB."""
+    """``instances`` real ``ivr serve`` processes on one Redis (fresh prefix), behind one LB;
+    ``per_instance[i]`` adds settings for instance i (e.g. its own ``IVR_FLOWS_DIR``)."""
     prefix = f"ivrtest:{uuid.uuid4().hex[:12]}:"
     env = gateway_env(
         providers_url=fake.base_url, api_key=API_KEY, public_url=PUBLIC_URL,
@@ -295,7 +301,10 @@ async def cluster(
     store = RedisCallStore(redis_url, prefix=prefix)
     with GatewayProcesses(log_dir) as group:
         names = [f"gw-{chr(ord('a') + i)}" for i in range(instances)]
-        procs = [group.start(name, env) for name in names]
+        extra = per_instance or [{} for _ in names]
+        procs = [
+            group.start(name, {**env, **more}) for name, more in zip(names, extra, strict=True)
+        ]
         await group.wait_healthy()
         try:
             async with LoadBalancer([p.port for p in procs]) as lb:

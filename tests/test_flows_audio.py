@@ -228,10 +228,10 @@ async def wait_until(check: Any, seconds: float = 10.0) -> None:
     raise AssertionError("timed out waiting")
 
 
-def version_for(server: RunningServer, number: str) -> str:
+async def version_for(server: RunningServer, number: str) -> str:
     probe = CallRecord(call_sid="CA-probe", to_number=number)
     assert server.gateway.pin_flow is not None
-    server.gateway.pin_flow(probe)
+    await server.gateway.pin_flow(probe)
     return probe.flow_version
 
 
@@ -248,7 +248,7 @@ async def test_editing_a_flow_changes_new_calls_only_and_a_broken_edit_is_refuse
         d["nodes"]["ask_account"]["prompt"] = new_ask
 
     async with gateway_factory(flows_dir=str(flows)) as server:
-        old = version_for(server, SUPPORT)
+        old = await version_for(server, SUPPORT)
         # Call 1 waits on the menu while the file changes, then presses 1.
         call_1 = asyncio.create_task(
             place(server, SUPPORT, [{"silence": 4.0}, {"press": "1"}], wait_for_greeting=False)
@@ -260,8 +260,12 @@ async def test_editing_a_flow_changes_new_calls_only_and_a_broken_edit_is_refuse
 
         await wait_until(call_1_on_menu)
         edit_flow(support, rewrite)
-        await wait_until(lambda: version_for(server, SUPPORT) != old)
-        new = version_for(server, SUPPORT)
+
+        async def changed() -> bool:
+            return await version_for(server, SUPPORT) != old
+
+        await wait_until(changed)
+        new = await version_for(server, SUPPORT)
         assert not call_1.done(), "call 1 must still be in progress during the reload"
         report_2 = await place(server, SUPPORT, [{"press": "1"}])
         report_1 = await call_1
@@ -269,7 +273,7 @@ async def test_editing_a_flow_changes_new_calls_only_and_a_broken_edit_is_refuse
         with capture_logs() as logs:
             edit_flow(support, lambda d: d["nodes"]["welcome"].update(next="nowhere"))
             await wait_until(lambda: any(e["event"] == "flows.refused" for e in logs))
-        assert version_for(server, SUPPORT) == new
+        assert await version_for(server, SUPPORT) == new
         report_3 = await place(server, SUPPORT, [{"hangup": None}])
         records = [await record_of(server, r) for r in (report_1, report_2, report_3)]
     assert [r.flow_version for r in records] == [old, new, new]

@@ -6,6 +6,7 @@ Redis is stopped mid-call; the calls must go on."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,9 +19,11 @@ from gateway_procs import (
     FIRST_TRANSCRIPT,
     LAST_TRANSCRIPT,
     PUBLIC_URL,
+    REPO,
     SUPPORT_NUMBER,
     Cluster,
     agent_replies,
+    bot_bursts,
     cluster,
     failover_call,
     fast_speak,
@@ -37,6 +40,7 @@ from ivr.testing.openai_server import FakeOpenAIServer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 RESUME_PROMPT = "Sorry, we were cut off for a moment."  # flows/default.yaml
+GREETING = "Hello, you've reached Acme. How can I help you today?"  # flows/default.yaml
 PRESS_2 = script_from_data([{"press": "2"}], source="support: agent")  # -> transfer
 
 
@@ -154,6 +158,42 @@ async def test_a_call_survives_a_sigkill_of_the_instance_carrying_it(
         f"vs resume prompt {speech_seconds(RESUME_PROMPT):.3f} s; kill -> LB saw drop "
         f"{timing.kill_to_drop_s * 1000:.0f} ms)"
     )
+
+
+async def test_a_call_runs_on_its_version_on_an_instance_whose_flow_file_was_edited(
+    tmp_path: Path, fake: FakeOpenAIServer, redis_server: RedisServer
+) -> None:
+    """A has the repo's flows, B an edited default.yaml (other greeting and resume prompt):
+    the call is pinned where the webhook lands, and the instance without that version runs it
+    from the sources in Redis, before and after the SIGKILL."""
+    dirs = [tmp_path / "flows-a", tmp_path / "flows-b"]
+    for d in dirs:
+        shutil.copytree(REPO / "flows", d)
+    edited = dirs[1] / "default.yaml"
+    text = edited.read_text()
+    assert GREETING in text and RESUME_PROMPT in text
+    edited.write_text(text.replace(GREETING, "Hi.").replace(RESUME_PROMPT, "Oops."))
+    envs = [{"IVR_FLOWS_DIR": str(d)} for d in dirs]
+    async with cluster(tmp_path, fake, redis_server.url, per_instance=envs) as cl:
+        run = await failover_call(cl, tmp_path / "edited.wav")
+        assert_clean(run.report)
+        record = await cl.store.get(run.call_sid)
+        assert record is not None and record.stream_count == 2
+        [(webhook_conn, _)] = cl.lb.requests("POST /twilio/voice")
+        pinner = next(p for p in cl.procs if p.port == webhook_conn.backend)
+        other = next(p for p in cl.procs if p is not pinner)
+        loaded = other.log_events("flows.version_from_store", version=record.flow_version)
+        assert loaded, cl.tails()
+        for proc in cl.procs:
+            assert not proc.log_events("flows.version_missing"), proc.tail()
+        # What the caller heard is the pinned version's: the fake voice's length tells the
+        # texts apart (over a second between the versions; 0.1 s slack for frame edges).
+        greeting = bot_bursts(run.wav_path, 0.0)[0]
+        expected = GREETING if pinner is cl.procs[0] else "Hi."
+        assert abs(greeting[1] - greeting[0] - speech_seconds(expected)) < 0.1, greeting
+        timing = resume_timing(run.report, run.wav_path, cl.lb, run.killed_at)
+        expected = RESUME_PROMPT if pinner is cl.procs[0] else "Oops."
+        assert abs(timing.first_burst_s - speech_seconds(expected)) < 0.1, timing
 
 
 async def test_calls_go_on_while_redis_is_down_and_redis_catches_up(

@@ -257,3 +257,45 @@ def test_redaction_masks_the_numbers_in_flow_variables_too() -> None:
     shown = record.redacted().model_dump_json()
     assert "+14155550123" not in shown and "+15550100001" not in shown
     assert '"account":"12345"' in shown.replace(" ", "")
+
+
+# -- flow sources: the files a pinned flow version was loaded from ------------------------------
+
+SOURCES = {
+    "support.yaml": "name: support\nstart: hi\n",
+    "knowledge/faq.md": "Opening hours: 9\u201317 h\r\nno trailing newline",
+}
+
+
+async def test_saved_flow_sources_read_back_exactly(store: CallStore) -> None:
+    await store.save_flow_sources("v1abc", SOURCES, ttl=30)
+    assert await store.load_flow_sources("v1abc") == SOURCES
+    assert await store.load_flow_sources("v2def") is None
+
+
+async def test_flow_sources_of_a_version_are_kept_from_the_first_save(store: CallStore) -> None:
+    await store.save_flow_sources("v1abc", SOURCES, ttl=30)
+    await store.save_flow_sources("v1abc", {"other.yaml": "name: other\n"}, ttl=30)
+    assert await store.load_flow_sources("v1abc") == SOURCES
+
+
+async def test_flow_sources_expire_after_their_ttl(store: CallStore) -> None:
+    await store.save_flow_sources("v1abc", SOURCES, ttl=0.3)
+    await asyncio.sleep(0.45)
+    assert await store.load_flow_sources("v1abc") is None
+
+
+async def test_saving_flow_sources_again_renews_their_ttl(store: CallStore) -> None:
+    await store.save_flow_sources("v1abc", SOURCES, ttl=0.4)
+    await asyncio.sleep(0.25)
+    await store.save_flow_sources("v1abc", SOURCES, ttl=0.4)
+    await asyncio.sleep(0.25)  # 0.5 s after the first save, 0.25 s after the second
+    assert await store.load_flow_sources("v1abc") == SOURCES
+
+
+async def test_returned_flow_sources_are_a_copy(store: CallStore) -> None:
+    await store.save_flow_sources("v1abc", SOURCES, ttl=30)
+    got = await store.load_flow_sources("v1abc")
+    assert got is not None
+    got["support.yaml"] = "changed"
+    assert await store.load_flow_sources("v1abc") == SOURCES

@@ -190,16 +190,30 @@ def load_flow(
     """
     file = Path(path)
     shown = display_name or str(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FlowLoadError([Problem(shown, 1, 1, f"cannot read the file: {exc}")]) from None
+    text = read_flow_text(file, shown)
     flow = load_flow_text(text, shown, base_dir=file.parent)
     if with_subflows and flow.subflow_nodes():
         from ivr.flows.subflows import attach_from_directory
 
         flow = attach_from_directory(flow, file.parent, exclude=file)
     return flow
+
+
+def read_flow_text(path: Path, shown: str | None = None) -> str:
+    """A flow file's text as the loader hashes it; ``FlowLoadError`` if it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        where = shown or str(path)
+        raise FlowLoadError([Problem(where, 1, 1, f"cannot read the file: {exc}")]) from None
+
+
+def file_digest(text: str, knowledge: Iterable[bytes]) -> str:
+    """A flow file's version: its text plus the knowledge files it embeds, in node order."""
+    digest = hashlib.sha256(text.encode())
+    for part in knowledge:
+        digest.update(part)
+    return digest.hexdigest()[:12]
 
 
 def load_flow_text(text: str, file: str, *, base_dir: Path | None = None) -> Flow:
@@ -229,10 +243,7 @@ def check_flow_text(
     problems = sorted(problems + check_flow(flow, data, smap), key=lambda p: (p.line, p.column))
     if any(p.severity == "error" for p in problems):
         return None, problems
-    digest = hashlib.sha256(text.encode())
-    for part in digest_parts:
-        digest.update(part)
-    version = digest.hexdigest()[:12]
+    version = file_digest(text, digest_parts)
     update = {"source": file, "version": version, "file_version": version,
               "ref_positions": _ref_positions(flow, smap)}  # fmt: skip
     return flow.model_copy(update=update), problems

@@ -4,7 +4,8 @@ A call pins the flow version it starts with (``registry.pin(to_number)``); flows
 values, so a reload swaps the registry's table but never changes a pinned flow. A flow carries
 the sub-flows it includes as loaded with it (``Flow.subflows``), so they are pinned too. A
 changed file that fails validation is refused: its problems are logged and the old version
-keeps serving.
+keeps serving. ``sources(flow)`` gives the exact files a version was loaded from (captured at
+load: a kept old version's files may already be changed on disk), for other instances.
 
     flows/support.yaml, flows/sales.yaml, ...   one flow per file (``numbers:`` optional)
     flows/routes.yaml                            optional: {default: NAME, routes: {NUMBER: NAME}}
@@ -21,8 +22,16 @@ import structlog
 import watchfiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ivr.flows.loader import FlowLoadError, Problem, load_flow, parse_yaml, pydantic_problems
+from ivr.flows.loader import (
+    FlowLoadError,
+    Problem,
+    load_flow_text,
+    parse_yaml,
+    pydantic_problems,
+    read_flow_text,
+)
 from ivr.flows.model import AgentNode, AskNode, Flow, HangupNode, MenuNode, SayNode, TransferNode
+from ivr.flows.sources import Sources, capture, combine
 from ivr.flows.subflows import resolve
 from ivr.flows.template import has_references
 
@@ -61,6 +70,8 @@ class _Table:
     """flow file path -> flow name"""
     routes: dict[str, str] = field(default_factory=dict)
     default: str | None = None
+    sources: dict[str, Sources] = field(default_factory=dict)
+    """file version -> the files it was loaded from, for every file version in ``flows``"""
 
 
 class FlowRegistry:
@@ -86,10 +97,11 @@ class FlowRegistry:
         files: dict[str, str] = {}
         problems: list[Problem] = []
         refused: dict[str, list[Problem]] = {}
+        sources = dict(old.sources)
         for path in self._flow_files():
             key = str(path)
             try:
-                flow = load_flow(path, with_subflows=False)  # attached below, across files
+                flow, captured = _load_file(path)  # sub-flows are attached below, across files
             except FlowLoadError as exc:
                 refused[key] = exc.problems
                 kept = old.files.get(key)
@@ -103,6 +115,8 @@ class FlowRegistry:
                 refused[key] = [Problem(key, 1, 1, msg)]
                 continue
             flows[flow.name], files[key] = flow, flow.name
+            if captured is not None:
+                sources.setdefault(flow.file_version, captured)
         flows = self._attach_subflows(flows, files, old, refused)
         routes, default, route_problems = self._routes(flows, old)
         if route_problems:
@@ -112,7 +126,9 @@ class FlowRegistry:
             if self.refused.get(key) != items:
                 log.error("flows.refused", file=key, problems=[str(p) for p in items])
         self._log_changes(old, flows)
-        self._table = _Table(flows, files, routes, default)  # one assignment: atomic swap
+        used = {f.file_version for flow in flows.values() for f in (flow, *flow.subflows.values())}
+        sources = {v: sources[v] for v in used if v in sources}
+        self._table = _Table(flows, files, routes, default, sources)  # one assignment: atomic swap
         self.refused = refused
         return problems
 
@@ -207,6 +223,15 @@ class FlowRegistry:
             raise LookupError(f"no flow answers {to_number} and there is no default flow")
         return table.flows[name]
 
+    def sources(self, flow: Flow) -> Sources | None:
+        """The files ``flow`` (a version this registry serves) was loaded from, sub-flows and
+        knowledge included; None if they could not be captured (logged at load)."""
+        table = self._table
+        parts = [table.sources.get(f.file_version) for f in (flow, *flow.subflows.values())]
+        if any(p is None for p in parts):
+            return None
+        return combine(p for p in parts if p is not None)
+
     def pin(self, to_number: str) -> PinnedFlow:
         return PinnedFlow(self.flow_for_number(to_number))
 
@@ -218,6 +243,12 @@ class FlowRegistry:
             for t in _prompts(flow)
             if t and not has_references(t)
         }
+
+
+def _load_file(path: Path) -> tuple[Flow, Sources | None]:
+    text = read_flow_text(path)
+    flow = load_flow_text(text, str(path), base_dir=path.parent)
+    return flow, capture(flow, text, path)
 
 
 def _normalize(number: str) -> str:

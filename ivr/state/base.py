@@ -211,6 +211,19 @@ class CallRecord(BaseModel):
             raise CorruptRecord(where, str(exc).replace("\n", "; ")[:500]) from exc
 
 
+def flow_sources_from_json(raw: str | bytes, where: str) -> dict[str, str]:
+    """Stored flow sources back from JSON; ``CorruptRecord`` (naming ``where``) if malformed."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptRecord(where, f"flow sources are not JSON: {exc}") from exc
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in data.items()
+    ):
+        raise CorruptRecord(where, "flow sources must be a JSON object of path -> text")
+    return data
+
+
 def clone(record: CallRecord) -> CallRecord:
     """A deep copy; a JSON round trip is about 3x faster than ``model_copy(deep=True)``."""
     return CallRecord.model_validate_json(record.model_dump_json(warnings=False))
@@ -284,6 +297,16 @@ class CallStore(Protocol):
     async def redeem_stream_token(self, token: str) -> str | None:
         """The call_sid the token was minted for, once: a token admits a single stream (a
         replayed or duplicate handshake gets None). None too if unknown or expired."""
+        ...
+
+    async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
+        """Keep the files flow ``version`` was loaded from ({relative path: text}) for ``ttl``
+        seconds, so any instance can run calls pinned to it. Stored only if absent (a version
+        names its content); the TTL is renewed either way."""
+        ...
+
+    async def load_flow_sources(self, version: str) -> dict[str, str] | None:
+        """The sources saved for ``version``; None if never saved or expired."""
         ...
 
     async def ping(self) -> bool: ...

@@ -7,6 +7,7 @@ object, and a value that cannot round-trip through JSON fails here too.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from ivr.state.base import (
@@ -18,6 +19,7 @@ from ivr.state.base import (
     Mutator,
     apply_mutation,
     ending,
+    flow_sources_from_json,
     prepare_new,
 )
 
@@ -30,6 +32,7 @@ class MemoryCallStore:
         self._calls: dict[str, str] = {}
         self._expires: dict[str, float] = {}  # call_sid -> monotonic deadline (ended calls)
         self._tokens: dict[str, tuple[str, float]] = {}
+        self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
         self._lock = asyncio.Lock()
 
     def _load(self, call_sid: str) -> CallRecord | None:
@@ -92,6 +95,20 @@ class MemoryCallStore:
         if entry is None or time.monotonic() >= entry[1]:
             return None
         return entry[0]
+
+    async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
+        now = time.monotonic()
+        if len(self._flows) >= _TOKEN_SWEEP_AT:
+            self._flows = {v: e for v, e in self._flows.items() if e[1] > now}
+        kept = self._flows.get(version)
+        raw = kept[0] if kept is not None and kept[1] > now else json.dumps(sources)
+        self._flows[version] = (raw, now + ttl)
+
+    async def load_flow_sources(self, version: str) -> dict[str, str] | None:
+        entry = self._flows.get(version)
+        if entry is None or time.monotonic() >= entry[1]:
+            return None
+        return flow_sources_from_json(entry[0], f"memory:flow:{version}")
 
     async def ping(self) -> bool:
         return True

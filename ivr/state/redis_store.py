@@ -4,6 +4,8 @@ Layout (all keys under a configurable prefix):
     {prefix}call:{sid}     one JSON CallRecord; PX = active_ttl while live, ended_ttl after end
     {prefix}active         sorted set of live call sids, scored by updated_at (epoch seconds)
     {prefix}token:{token}  call_sid a webhook-minted stream token belongs to; PX = token ttl
+    {prefix}flow:{version} JSON {relative path: text} of the files a flow version was loaded
+                           from, so any instance can run calls pinned to it; PX = given ttl
 
 Atomic update is a compare-and-set on ``version`` done by a Lua script, not WATCH/MULTI:
 a read (GET) plus one EVALSHA is 2 round trips on any pooled connection, while WATCH needs
@@ -15,6 +17,7 @@ also moves the sid in or out of the active set and sets the TTL in the same atom
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -40,6 +43,7 @@ from ivr.state.base import (
     UpdateConflict,
     apply_mutation,
     ending,
+    flow_sources_from_json,
     prepare_new,
 )
 
@@ -117,6 +121,9 @@ class RedisCallStore:
 
     def token_key(self, token: str) -> str:
         return f"{self.prefix}token:{token}"
+
+    def flow_key(self, version: str) -> str:
+        return f"{self.prefix}flow:{version}"
 
     def _ttl_ms(self, record: CallRecord) -> int:
         if record.ended_at is None:
@@ -200,6 +207,20 @@ class RedisCallStore:
         with _mapped("redeem_stream_token"):
             raw = await self._redis.getdel(self.token_key(token))
         return None if raw is None else _text(raw)
+
+    async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
+        key, ttl_ms = self.flow_key(version), max(1, int(ttl * 1000))
+        with _mapped("save_flow_sources"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, json.dumps(sources), nx=True, px=ttl_ms)
+                pipe.pexpire(key, ttl_ms)  # renew: the version is still being pinned
+                await pipe.execute()
+
+    async def load_flow_sources(self, version: str) -> dict[str, str] | None:
+        key = self.flow_key(version)
+        with _mapped("load_flow_sources"):
+            raw = await self._redis.get(key)
+        return None if raw is None else flow_sources_from_json(raw, key)
 
     async def ping(self) -> bool:
         try:

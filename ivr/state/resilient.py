@@ -40,6 +40,7 @@ from ivr.state.base import (
 log = structlog.get_logger("ivr.state")
 
 _Stamp = tuple[int, datetime]
+MAX_LOCAL_FLOWS = 256  # flow versions whose sources are kept here (a few KB to MB each)
 
 
 def _stamp(record: CallRecord) -> _Stamp:
@@ -94,6 +95,10 @@ class ResilientCallStore:
         self._pending: OrderedDict[str, CallRecord] = OrderedDict()
         self._tokens: dict[str, tuple[str, float]] = {}
         self._pending_tokens: dict[str, tuple[str, float]] = {}
+        # Flow sources this instance saved (version -> (sources, deadline)), newest last; the
+        # pending ones are written back with their remaining TTL, like tokens.
+        self._flows: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()
+        self._pending_flows: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._degraded_since = 0.0
@@ -110,7 +115,7 @@ class ResilientCallStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._pending or self._pending_tokens:
+        if self._pending or self._pending_tokens or self._pending_flows:
             await self._final_flush()
         await self.primary.aclose()
 
@@ -221,6 +226,36 @@ class ResilientCallStore:
             self._degrade("redeem_stream_token", exc)
             return None
 
+    async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
+        kept = self._flows.get(version)
+        if kept is None or kept[1] <= time.monotonic():  # stored if absent, like the primary
+            kept = (dict(sources), 0.0)
+        self._flows[version] = (kept[0], time.monotonic() + ttl)
+        self._flows.move_to_end(version)
+        while len(self._flows) > MAX_LOCAL_FLOWS:
+            old, _ = self._flows.popitem(last=False)
+            self._pending_flows.discard(old)
+        if not self.degraded:
+            try:
+                await self.primary.save_flow_sources(version, sources, ttl)
+                return
+            except StoreUnavailable as exc:
+                self._degrade("save_flow_sources", exc)
+        self._pending_flows.add(version)
+        self._wake.set()
+
+    async def load_flow_sources(self, version: str) -> dict[str, str] | None:
+        entry = self._flows.get(version)
+        if entry is not None and entry[1] > time.monotonic():
+            return dict(entry[0])
+        if self.degraded:
+            return None
+        try:
+            return await self.primary.load_flow_sources(version)
+        except StoreUnavailable as exc:
+            self._degrade("load_flow_sources", exc)
+            return None
+
     async def ping(self) -> bool:
         return await self.primary.ping()
 
@@ -327,7 +362,7 @@ class ResilientCallStore:
                 log.exception("call_store_reconcile_failed")
             else:
                 delay = self.min_backoff
-                if not self._pending and not self._pending_tokens:
+                if not self._pending and not self._pending_tokens and not self._pending_flows:
                     self._wake.clear()
                     if self.degraded:
                         self._recover()
@@ -345,6 +380,7 @@ class ResilientCallStore:
             if self._pending.get(sid) is record:
                 del self._pending[sid]
         await self._flush_tokens()
+        await self._flush_flows()
 
     async def _flush_tokens(self) -> None:
         for token, (sid, deadline) in list(self._pending_tokens.items()):
@@ -352,6 +388,14 @@ class ResilientCallStore:
             if left > 0:
                 await self.primary.put_stream_token(sid, token, left)
             self._pending_tokens.pop(token, None)
+
+    async def _flush_flows(self) -> None:
+        for version in list(self._pending_flows):
+            entry = self._flows.get(version)
+            left = entry[1] - time.monotonic() if entry is not None else 0.0
+            if entry is not None and left > 0:
+                await self.primary.save_flow_sources(version, entry[0], left)
+            self._pending_flows.discard(version)
 
     async def _write_back(self, record: CallRecord) -> None:
         sid = record.call_sid

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+import structlog
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 from ivr.config import Settings
@@ -16,6 +17,14 @@ from ivr.server import RunningServer, build_gateway, running_server
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.openai_http import OpenAIHttpTts
+
+
+@pytest.fixture(autouse=True)
+def fresh_logging_config() -> Iterator[None]:
+    """Tests that run the CLI or the demo in-process configure structlog (level filter,
+    renderer); restore the defaults so later tests and capture_logs() see every event."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture

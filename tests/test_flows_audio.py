@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory, record_of
 from structlog.testing import capture_logs
 
 from ivr.flows.audio_test import fast_speak, speech_seconds
@@ -106,12 +106,6 @@ async def place(server: RunningServer, to: str, steps: list[Any], **options: Any
     )
     assert not report.errors and not report.violations, report.format_transcript()
     return report
-
-
-async def record_of(server: RunningServer, report: CallReport) -> CallRecord:
-    record = await server.gateway.store.get(report.call_sid)
-    assert record is not None
-    return record
 
 
 def spoken(fake: FakeOpenAIServer) -> str:

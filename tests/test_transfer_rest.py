@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory, record_of
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
@@ -18,7 +18,7 @@ from ivr.server import RunningServer
 from ivr.sim.caller import CallReport, place_call
 from ivr.sim.rest_api import FakeTwilioRestApi
 from ivr.sim.script import script_from_data
-from ivr.state.base import CallRecord, CallStatus
+from ivr.state.base import CallStatus
 from ivr.telephony.rest import TwilioRest
 from ivr.testing.openai_server import FakeOpenAIServer
 
@@ -56,12 +56,6 @@ async def press_for_agent(server: RunningServer, api: FakeTwilioRestApi) -> Call
     )
     assert not report.errors and not report.violations, report.format_transcript()
     return report
-
-
-async def record_of(server: RunningServer, report: CallReport) -> CallRecord:
-    record = await server.gateway.store.get(report.call_sid)
-    assert record is not None
-    return record
 
 
 def assert_hold_played_in_full(report: CallReport) -> float:

@@ -421,15 +421,21 @@ class FakeOpenAIServer:
         ]
         return self._finish(rec, JSONResponse({"object": "list", "data": data}))
 
+    async def _read_json(
+        self, rec: RecordedRequest, endpoint: str, request: Request
+    ) -> Response | None:
+        """Parse the JSON body into ``rec``; an error response if it is not JSON or a fault hits."""
+        try:
+            rec.json = await request.json()
+        except ValueError as exc:
+            return openai_error(400, f"Request body is not JSON: {exc}")
+        return await self._precheck(endpoint, request)
+
     # ---- POST /v1/chat/completions ---------------------------------------------------
 
     async def _chat_completions(self, request: Request) -> Response:
         rec = self._record("chat", request)
-        try:
-            rec.json = await request.json()
-        except ValueError as exc:
-            return self._finish(rec, openai_error(400, f"Request body is not JSON: {exc}"))
-        if (early := await self._precheck("chat", request)) is not None:
+        if (early := await self._read_json(rec, "chat", request)) is not None:
             return self._finish(rec, early)
         body = rec.json or {}
         if self.chat_fields is not None and (unknown := sorted(set(body) - self.chat_fields)):
@@ -519,11 +525,7 @@ class FakeOpenAIServer:
 
     async def _speech(self, request: Request) -> Response:
         rec = self._record("speech", request)
-        try:
-            rec.json = await request.json()
-        except ValueError as exc:
-            return self._finish(rec, openai_error(400, f"Request body is not JSON: {exc}"))
-        if (early := await self._precheck("speech", request)) is not None:
+        if (early := await self._read_json(rec, "speech", request)) is not None:
             return self._finish(rec, early)
         body = rec.json or {}
         text, fmt = body.get("input"), body.get("response_format", "mp3")

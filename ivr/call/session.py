@@ -170,14 +170,14 @@ class CallSession:
         self._caller_confirmed = False
         self._speech_started_at = None
 
+    def _caller_answering(self) -> bool:
+        """Speech in progress or being transcribed: an answer is on its way."""
+        return self._caller_speaking or self._stt_busy > 0 or not self._stt_queue.empty()
+
     def _caller_has_the_floor(self) -> bool:
         """The caller is talking, or has said or pressed something not yet acted on."""
-        return (
-            self._caller_confirmed
-            or self._stt_busy > 0
-            or not self._stt_queue.empty()
-            or not self._inputs.empty()
-        )
+        answer_on_its_way = self._stt_busy > 0 or not self._stt_queue.empty()
+        return self._caller_confirmed or answer_on_its_way or not self._inputs.empty()
 
     async def on_dtmf(self, digit: str) -> None:
         await self._barge_in("dtmf")
@@ -234,7 +234,7 @@ class CallSession:
             now = self._clock()
             if digits:
                 wait = digit_deadline - now
-            elif self._caller_speaking or self._stt_busy or not self._stt_queue.empty():
+            elif self._caller_answering():
                 wait = 0.25  # the caller is mid-answer: never time out on them
                 deadline = max(deadline, now + 0.25)
             else:
@@ -244,8 +244,7 @@ class CallSession:
             except TimeoutError:
                 if digits:
                     return Digits(digits)
-                answering = self._caller_speaking or self._stt_busy or not self._stt_queue.empty()
-                if self._clock() >= deadline and not answering:
+                if self._clock() >= deadline and not self._caller_answering():
                     return NoInput()
                 continue
             if isinstance(item, HungUp):

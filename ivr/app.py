@@ -10,6 +10,7 @@ import structlog
 from fastapi import FastAPI, Request, Response, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ivr.call.session import E164
 from ivr.call.stream import handle_stream
 from ivr.gateway import Gateway
 from ivr.obs import metrics
@@ -115,6 +116,12 @@ async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Re
             await gateway.store.end(call_sid, CallStatus.ENDED)
         return Response(twilio.hangup_twiml(), media_type=XML)
     if record.end_action == "transfer" and record.transfer_to:
+        if not E164.fullmatch(record.transfer_to):  # never dial what a flow did not validate
+            log.error(
+                "call.transfer_invalid_number", call_sid=call_sid, pii_number=record.transfer_to
+            )
+            await gateway.store.end(call_sid, CallStatus.ENDED)
+            return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
         log.info("call.transfer", call_sid=call_sid, pii_number=record.transfer_to)
         await gateway.store.end(call_sid, CallStatus.ENDED)
         return Response(twilio.dial_twiml(record.transfer_to), media_type=XML)

@@ -123,7 +123,9 @@ class Gateway:
                 await warm()
         added = await self.prompts.warm(self.tts, sorted(self.static_prompts()))
         for factory in self._background_factories:
-            self._background.append(asyncio.create_task(factory()))
+            task = asyncio.create_task(factory())
+            task.add_done_callback(_report_background_failure)
+            self._background.append(task)
         log.info(
             "gateway.started",
             instance=self.instance_id,
@@ -161,3 +163,9 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await closeable.aclose()
         await self._exit.aclose()
+
+
+def _report_background_failure(task: asyncio.Task[None]) -> None:
+    """A background job (the flows watcher) must never die silently."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("gateway.background_failed", task=task.get_name(), exc_info=task.exception())

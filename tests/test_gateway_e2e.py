@@ -273,3 +273,28 @@ async def test_a_reply_is_not_played_over_a_caller_who_went_on_talking(
         t for t in report.turns if t.caller_text and t.caller_text.startswith("Thanks")
     )
     assert first_half.bot_audio_seconds == 0, report.format_transcript()
+
+
+async def test_the_action_url_never_dials_a_number_that_is_not_e164(
+    gateway_factory: GatewayFactory,
+) -> None:
+    from ivr.state.base import CallRecord
+
+    async with gateway_factory() as server:
+        store = server.gateway.store
+        await store.create(CallRecord(call_sid="CA-bad-number"))
+
+        def decide(record: CallRecord) -> None:
+            record.end_action, record.transfer_to = "transfer", "555-0100; <Play>"
+
+        await store.update("CA-bad-number", decide)
+        params = {"CallSid": "CA-bad-number", "CallStatus": "in-progress"}
+        signature = sign(f"{PUBLIC_URL}/twilio/after-stream", params)
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                f"{server.base_url}/twilio/after-stream",
+                data=params,
+                headers={"X-Twilio-Signature": signature},
+            )
+    assert answer.status_code == 200
+    assert "<Dial" not in answer.text and "<Hangup" in answer.text

@@ -169,12 +169,15 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
     outcome.session = session
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finished = done.pop()
+        # The caller hanging up outranks whatever else finished in the same wake-up.
+        finished = receive if receive in done else done.pop()
         _record_outcome(outcome, finished, conversation)
         if finished is conversation and outcome.end and outcome.end.action == "transfer":
             outcome.redirected = await _transfer_by_rest(
                 gateway, start.call_sid, outcome.end, receive
             )
+            if not outcome.redirected and _ended_by_stop(receive):
+                outcome.reason = "stop"  # the caller hung up during the handoff
     finally:
         for task in tasks:
             task.cancel()
@@ -183,6 +186,12 @@ async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Out
             vad.close()
     if outcome.reason in ("stop", "disconnect"):
         session.on_hangup()
+
+
+def _ended_by_stop(receive: asyncio.Task[str]) -> bool:
+    if not receive.done() or receive.cancelled() or receive.exception() is not None:
+        return False
+    return receive.result() == "stop"
 
 
 def _record_outcome(

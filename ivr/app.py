@@ -10,7 +10,6 @@ import structlog
 from fastapi import FastAPI, Request, Response, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ivr.call.session import E164
 from ivr.call.stream import handle_stream
 from ivr.gateway import Gateway
 from ivr.obs import metrics
@@ -116,7 +115,7 @@ async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Re
             await gateway.store.end(call_sid, CallStatus.ENDED)
         return Response(twilio.hangup_twiml(), media_type=XML)
     if record.end_action == "transfer" and record.transfer_to:
-        if not E164.fullmatch(record.transfer_to):  # never dial what a flow did not validate
+        if not twilio.E164.fullmatch(record.transfer_to):  # never dial what a flow did not validate
             log.error(
                 "call.transfer_invalid_number", call_sid=call_sid, pii_number=record.transfer_to
             )

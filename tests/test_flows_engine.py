@@ -129,7 +129,9 @@ def test_step_does_not_modify_the_state_it_was_given() -> None:
 
 def test_variables_come_from_defaults_env_and_call_variables_in_that_order() -> None:
     state = new_state(FLOW, {"tier": "gold"}, env={"BANK_API": "http://10.0.0.1"})
-    assert state.vars == {"api": "http://10.0.0.1", "tier": "gold"}
+    # {env: ...} values stay out of vars (persisted); the engine reads them from state.env.
+    assert state.vars == {"tier": "gold"} and state.env == {"BANK_API": "http://10.0.0.1"}
+    assert "10.0.0.1" not in state.model_dump_json()
 
 
 def test_a_key_a_spoken_key_and_an_example_phrase_all_pick_the_route() -> None:

@@ -10,7 +10,6 @@ buffer, cancels LLM/TTS work and keeps only what the caller heard.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -37,13 +36,12 @@ from ivr.errors import ProviderError
 from ivr.llm.sentences import SentenceChunker
 from ivr.obs import metrics
 from ivr.stt.base import SpeechToText
+from ivr.telephony.twilio import E164, TRANSFER_FAILED_PROMPT
 from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.call")
 
 LLM_FAILURE_PROMPT = "Sorry, I'm having trouble answering right now."
-TRANSFER_FAILED_PROMPT = "Sorry, I can't transfer your call right now. Please call back later."
-E164 = re.compile(r"\+[1-9]\d{6,14}")
 INPUT_QUEUE_SIZE = 32
 STT_QUEUE_SIZE = 4
 

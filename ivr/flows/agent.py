@@ -36,6 +36,8 @@ MAX_HISTORY = 60
 """Messages kept in the state (it is persisted after every step); older turns are dropped."""
 MAX_TOOL_ERRORS = 1
 """Invalid tool calls sent back to the model for a retry before giving up on the turn."""
+MAX_CALLS_PER_REPLY = 8
+"""Tool calls run from one reply; the rest are answered "not run"."""
 
 
 class AgentSteps:
@@ -51,6 +53,9 @@ class AgentSteps:
         raise NotImplementedError
 
     def render(self, text: str) -> str:
+        raise NotImplementedError
+
+    def scope(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def listen_spec(self, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
@@ -78,9 +83,13 @@ class AgentSteps:
             self.say(greeting, node.interruptible)
             self.state.history.append(HistoryItem(role="assistant", content=greeting))
         if node.respond_immediately and any(m.role == "user" for m in self.state.history):
-            self.state.tool_rounds = 0
-            self.state.tool_errors = 0
-            self._ask_model(node)
+            # The round count carries over handoffs: agents that hand off to each other
+            # without the caller speaking must not call the model forever.
+            if self.state.tool_rounds < MAX_TOOL_ROUNDS:
+                self._ask_model(node)
+            else:
+                self.say(self.flow.defaults.error_prompt)
+                self.listen_agent(node)
         else:
             self.listen_agent(node)
 
@@ -137,6 +146,8 @@ class AgentSteps:
     def agent_replied(self, event: LlmReplied) -> None:
         node = self._agent()
         if event.error is not None:
+            if event.text_heard:  # the caller heard part of the reply; the model must know
+                self.state.history.append(HistoryItem(role="assistant", content=event.text_heard))
             self.say(self.flow.defaults.error_prompt)
             if node.on_error is not None:
                 self.goto(node.on_error)
@@ -157,7 +168,9 @@ class AgentSteps:
                 HistoryItem(role="assistant", content=event.text_heard, tool_calls=calls)
             )
         if calls:
-            self.state.pending_tools = calls
+            for extra in calls[MAX_CALLS_PER_REPLY:]:
+                self._tool_result(extra.id, "not run: too many tool calls in one reply")
+            self.state.pending_tools = calls[:MAX_CALLS_PER_REPLY]
             self._run_pending_tools(node)
         else:
             self._turn_done(node)
@@ -165,7 +178,7 @@ class AgentSteps:
     def _turn_done(self, node: AgentNode) -> None:
         self.state.agent_turns += 1
         for case in node.exit_when:
-            if matching.all_hold(case.conditions, self.state.vars):
+            if matching.all_hold(case.conditions, self.scope()):
                 self.goto(case.next)
                 return
         if node.max_turns is not None and self.state.agent_turns >= node.max_turns:
@@ -188,7 +201,7 @@ class AgentSteps:
             if problems:
                 self._tool_error(call, "invalid arguments: " + "; ".join(problems))
                 continue
-            scope = {**self.state.vars, "args": args}
+            scope = {**self.scope(), "args": args}
             self.state.vars.update(render_value(tool.set, scope))
             if tool.http is not None:
                 self.actions.append(self.http_request(tool.http, scope))
@@ -229,8 +242,11 @@ class AgentSteps:
         node = self._agent()
         call_id = self.state.pending_answer or ""
         self.state.pending_answer = None
-        tool = next(t for t in node.tools if t.http is not None and self._was_called(t, call_id))
-        assert tool.http is not None
+        tool = self._pending_http_tool(node, call_id)
+        if tool is None or tool.http is None:  # e.g. the flow changed under a resumed call
+            self._tool_result(call_id, "ERROR: the tool is no longer available")
+            self._run_pending_tools(node)
+            return
         error = event.error if not event.ok else self.map_answer(tool.http, event.json)
         if error:
             self._tool_result(call_id, f"ERROR: the request failed ({error})")
@@ -241,12 +257,14 @@ class AgentSteps:
             return
         self._run_pending_tools(node)
 
-    def _was_called(self, tool: AgentTool, call_id: str) -> bool:
+    def _pending_http_tool(self, node: AgentNode, call_id: str) -> AgentTool | None:
+        """The HTTP tool of the newest call with this id (models may repeat ids)."""
+        http_tools = {t.name: t for t in node.tools if t.http is not None}
         for item in reversed(self.state.history):
             for call in item.tool_calls:
-                if call.id == call_id:
-                    return call.name == tool.name
-        return False
+                if call.id == call_id and call.name in http_tools:
+                    return http_tools[call.name]
+        return None
 
     def resume_agent(self, node: AgentNode) -> None:
         """After a lost instance: answer the caller's last words if the reply was lost too."""

@@ -28,6 +28,8 @@ def parse_arguments(raw: str, schema: dict[str, Any]) -> tuple[dict[str, Any], l
         value = json.loads(raw or "{}")
     except json.JSONDecodeError as exc:
         return {}, [f"arguments are not valid JSON ({exc.msg} at char {exc.pos})"]
+    except RecursionError:
+        return {}, ["arguments are nested too deeply"]
     if not isinstance(value, dict):
         return {}, ["arguments must be a JSON object"]
     return value, check(value, schema)

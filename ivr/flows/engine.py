@@ -18,7 +18,7 @@ from typing import Any
 
 from ivr.call.io import ListenSpec
 from ivr.errors import FlowError
-from ivr.flows import matching
+from ivr.flows import argcheck, matching
 from ivr.flows.agent import AgentSteps
 from ivr.flows.events import (
     CallerHungUp,
@@ -59,10 +59,14 @@ from ivr.flows.model import (
     SubflowNode,
     TransferNode,
 )
-from ivr.flows.template import lookup, render, render_value
+from ivr.flows.template import lookup, render, render_url, render_value
+from ivr.telephony.twilio import E164, TRANSFER_FAILED_PROMPT
 
 MAX_HOPS = 64
 """Nodes entered without waiting for anything; the validator rejects such loops, this is a guard."""
+
+
+"""Said instead of dialling a transfer number that is not in E.164 form."""
 
 
 class FlowRuntimeError(FlowError):
@@ -72,34 +76,44 @@ class FlowRuntimeError(FlowError):
 def new_state(
     flow: Flow, call_vars: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
 ) -> FlowState:
-    """A fresh state: flow variables (``{env: NAME}`` read from ``env``), then ``call_vars``."""
-    environ = os.environ if env is None else env
-    names = {
-        default.env
-        for sub in flow.subflows.values()
-        for default in sub.variables.values()
-        if isinstance(default, EnvVar)
-    }
-    values = start_values(flow, environ)
+    """A fresh state: flow variables, then ``call_vars``. ``{env: NAME}`` variables are not
+    stored in ``vars``: they are read from ``state.env``, which is never persisted."""
+    values = start_values(flow)
     values.update(call_vars or {})
     return FlowState(
         flow=flow.name,
         version=flow.version,
         node=flow.start,
         vars=values,
-        env={name: environ.get(name) for name in sorted(names)},
+        env=call_env(flow, env),
     )
 
 
-def start_values(flow: Flow, env: Mapping[str, str | None]) -> dict[str, Any]:
-    """A flow's variables at its start (``{env: NAME}`` read from ``env``)."""
+def call_env(flow: Flow, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The environment values a call's flows read (``os.environ`` when ``env`` is None);
+    names that are not set are left out (their variables take the default)."""
+    environ = os.environ if env is None else env
+    names = {
+        default.env
+        for one in (flow, *flow.subflows.values())
+        for default in one.variables.values()
+        if isinstance(default, EnvVar)
+    }
+    return {name: environ[name] for name in sorted(names) if name in environ}
+
+
+def start_values(flow: Flow) -> dict[str, Any]:
+    """A flow's variables at its start, without the ``{env: NAME}`` ones."""
+    return {k: v for k, v in flow.variables.items() if not isinstance(v, EnvVar)}
+
+
+def env_values(flow: Flow, env: Mapping[str, str | None]) -> dict[str, Any]:
+    """A flow's ``{env: NAME}`` variables (their default when the name is not set)."""
     values: dict[str, Any] = {}
     for name, default in flow.variables.items():
         if isinstance(default, EnvVar):
             found = env.get(default.env)
             values[name] = default.default if found is None else found
-        else:
-            values[name] = default
     return values
 
 
@@ -175,8 +189,12 @@ class _Step(AgentSteps):
 
     # ------------------------------------------------------------ moving between nodes
 
+    def scope(self) -> dict[str, Any]:
+        """What templates and conditions see: the environment values, then the variables."""
+        return {**env_values(self.flow, self.state.env), **self.state.vars}
+
     def render(self, text: str) -> str:
-        return render(text, self.state.vars)
+        return render(text, self.scope())
 
     def say(self, text: str | None, interruptible: bool = True) -> None:
         if text:
@@ -206,7 +224,7 @@ class _Step(AgentSteps):
             self.say(node.text, node.interruptible)
             return node.next
         if isinstance(node, SetNode):
-            self.state.vars.update(render_value(node.values, self.state.vars))
+            self.state.vars.update(render_value(node.values, self.scope()))
             return node.next
         if isinstance(node, GotoNode):
             return node.next
@@ -216,7 +234,7 @@ class _Step(AgentSteps):
             return self._return()
         if isinstance(node, BranchNode):
             return next(
-                (c.next for c in node.cases if matching.all_hold(c.conditions, self.state.vars)),
+                (c.next for c in node.cases if matching.all_hold(c.conditions, self.scope())),
                 node.default,
             )
         self._enter_waiting(node)
@@ -228,11 +246,16 @@ class _Step(AgentSteps):
         elif isinstance(node, AgentNode):
             self.enter_agent(node)
         elif isinstance(node, HttpNode):
-            self.actions.append(self.http_request(node.request, self.state.vars))
+            self.actions.append(self.http_request(node.request, self.scope()))
             self.state.waiting = "http"
         elif isinstance(node, TransferNode):
             self.say(node.say, interruptible=False)
-            number = self.render(node.number)
+            number = self.render(node.number).strip()
+            if not E164.fullmatch(number):  # a variable held something that cannot be dialled
+                self.say(TRANSFER_FAILED_PROMPT, interruptible=False)
+                self.actions.append(Hangup())
+                self._finish("hangup")
+                return
             self.actions.append(Transfer(number))
             self.state.transfer_to = number
             self._finish("transfer")
@@ -253,9 +276,9 @@ class _Step(AgentSteps):
         if sub is None:  # the loader attaches every sub-flow; a Flow built by hand may not
             raise FlowRuntimeError(f"sub-flow '{node.flow}' is not attached to '{self.root.name}'")
         parent = self.state.vars
-        values = start_values(sub, self.state.env)
+        values = start_values(sub)
         values.update({k: parent[k] for k in CALL_VARIABLES if k in parent})
-        values.update(render_value(node.pass_, parent))
+        values.update(render_value(node.pass_, self.scope()))
         frame = Frame(flow=self.flow.name, version=self.flow.version, node=name, vars=parent)
         self.state.stack.append(frame)
         self._switch(sub, values)
@@ -273,7 +296,8 @@ class _Step(AgentSteps):
         if parent is None or not isinstance(node, SubflowNode):
             raise FlowRuntimeError(f"cannot return to node '{frame.node}' of '{frame.flow}'")
         values = frame.vars
-        values.update({var: lookup(self.state.vars, child) for var, child in node.return_.items()})
+        child = self.scope()
+        values.update({var: lookup(child, path) for var, path in node.return_.items()})
         self._switch(parent, values)
         self.state.node = frame.node
         return node.next
@@ -385,23 +409,20 @@ class _Step(AgentSteps):
         answer = self.state.pending_answer or ""
         self.state.pending_answer = None
         if event.error is None and node.extract is not None:
-            missing = [
-                f
-                for f in node.extract.schema_.get("required", [])
-                if event.slots.get(f) in (None, "")
-            ]
+            slots = _valid_slots(node.extract.schema_, event.slots)
+            required = node.extract.schema_.get("required", [])
+            missing = [f for f in required if slots.get(f) in (None, "")]
             if missing and node.extract.required:
                 self._retry(node, silent=False)
                 return
-            self.state.vars.update(
-                {k: v for k, v in event.slots.items() if k in node.extract.fields}
-            )
+            self.state.vars.update(slots)
         routes = {r.intent: r.next for r in node.routes if r.intent}
-        if event.error is None and event.intent in routes:
-            self.state.vars["last_intent"] = event.intent
-            self._accept(node, answer, routes[event.intent])
+        intent = event.intent if isinstance(event.intent, str) else None
+        if event.error is None and intent in routes:
+            self.state.vars["last_intent"] = intent
+            self._accept(node, answer, routes[intent])
         elif event.error is None and node.next is not None and _pattern_ok(node, answer, True):
-            self._accept(node, answer, node.next)
+            self._accept(node, _clean(node, answer, True), node.next)
         else:
             self._retry(node, silent=False)
 
@@ -410,7 +431,7 @@ class _Step(AgentSteps):
     def http_request(self, call: HttpCall, variables: Mapping[str, Any]) -> HttpRequest:
         return HttpRequest(
             method=call.method,
-            url=render(call.url, variables),
+            url=render_url(call.url, variables),
             headers={k: render(v, variables) for k, v in call.headers.items()},
             json=render_value(call.json_body, variables),
             timeout=call.timeout,
@@ -453,6 +474,16 @@ def _match_route(flow: Flow, node: AskNode | MenuNode, answer: str, spoken: bool
         ):
             return route.next
     return None
+
+
+def _valid_slots(schema: Mapping[str, Any], slots: Mapping[str, Any]) -> dict[str, Any]:
+    """The extracted values that are declared, not null, and match their property schema."""
+    props: Mapping[str, Any] = schema.get("properties", {})
+    return {
+        k: v
+        for k, v in slots.items()
+        if isinstance(props.get(k), dict) and v is not None and not argcheck.check(v, props[k], k)
+    }
 
 
 def _clean(node: AskNode, answer: str, spoken: bool) -> str:

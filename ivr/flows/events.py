@@ -57,8 +57,9 @@ class FlowState(BaseModel):
     """The running flow's variables; a sub-flow has its own."""
     stack: list[Frame] = Field(default_factory=list)
     """The flows that started sub-flows, outermost first."""
-    env: dict[str, str | None] = Field(default_factory=dict)
-    """Environment values the call's sub-flows read, taken at call start (the engine is pure)."""
+    env: dict[str, str | None] = Field(default_factory=dict, exclude=True)
+    """Environment values the call's flows read (the engine is pure). Never serialised, so
+    secrets stay out of the call store; the runner reads them again when a call resumes."""
     attempts: int = 0
     """Failed answers (no match or no input) at the current input node."""
     agent_turns: int = 0

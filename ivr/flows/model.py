@@ -16,11 +16,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from ivr.telephony.twilio import E164
+
 NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 VarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 # Targets every flow may use without declaring them: end the call.
 BUILTIN_TARGETS = ("hangup",)
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Spec(BaseModel):
@@ -142,6 +145,14 @@ class Extract(Spec):
     def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
         if value.get("type") != "object" or not isinstance(value.get("properties"), dict):
             raise ValueError("extract.schema must be {type: object, properties: {...}}")
+        for name, prop in value["properties"].items():
+            if not isinstance(name, str) or not VARIABLE_NAME.fullmatch(name):
+                raise ValueError(f"extract property '{name}' is not a valid variable name")
+            if not isinstance(prop, dict):
+                raise ValueError(
+                    f"extract property '{name}' must be a schema like {{type: string}}, "
+                    f"not {prop!r}"
+                )
         return value
 
     @property
@@ -303,6 +314,14 @@ class TransferNode(NodeBase):
     kind: Literal["transfer"]
     number: str
     say: str | None = None
+
+    @field_validator("number")
+    @classmethod
+    def _e164(cls, value: str) -> str:
+        # A templated number is checked once rendered, at run time.
+        if "{{" not in value and not E164.fullmatch(value):
+            raise ValueError(f"transfer number '{value}' must be in E.164 form, e.g. +15550100998")
+        return value
 
 
 class HangupNode(NodeBase):

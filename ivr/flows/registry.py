@@ -167,7 +167,7 @@ class FlowRegistry:
         if not path.exists():
             return routes, default, []
         try:
-            data, smap = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+            data, smap = parse_yaml(read_flow_text(path), str(path))
             spec = RoutesSpec.model_validate(data)
         except FlowLoadError as exc:
             return old.routes, old.default, exc.problems
@@ -201,9 +201,12 @@ class FlowRegistry:
         ``on_reload(problems)`` is awaited after each reload (e.g. to synthesise new prompts).
         """
         async for _changes in watchfiles.awatch(self.directory, stop_event=stop, debounce=200):
-            problems = await asyncio.to_thread(self.reload)
-            if on_reload is not None:
-                await on_reload(problems)
+            try:
+                problems = await asyncio.to_thread(self.reload)
+                if on_reload is not None:
+                    await on_reload(problems)
+            except Exception:  # a bad edit must not stop the watching for good
+                log.exception("flows.reload_failed", directory=str(self.directory))
 
     # ------------------------------------------------------------ lookups
 

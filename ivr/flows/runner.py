@@ -10,6 +10,7 @@ crash loses at most the turn in progress.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ import structlog
 
 from ivr.call.io import CallIO, Digits, HungUp, NoInput, Utterance
 from ivr.errors import ProviderError
-from ivr.flows.engine import FlowRuntimeError, new_state, step
+from ivr.flows.engine import FlowRuntimeError, call_env, new_state, step
 from ivr.flows.events import (
     AgentTurn,
     CallerHungUp,
@@ -49,6 +50,9 @@ log = structlog.get_logger("ivr.flows")
 
 OnStep = Callable[[FlowState], Awaitable[None]]
 
+MAX_BODY = 1_000_000
+"""Largest HTTP answer read from a backend, in bytes."""
+
 
 class FlowRunner:
     def __init__(
@@ -77,6 +81,7 @@ class FlowRunner:
             state = state or new_state(self.flow, self.call_vars, self.env)
             event = CallStarted()
         else:
+            state = state.model_copy(update={"env": call_env(self.flow, self.env)})
             event = Resumed()
         while True:
             state, actions = step(self.flow, state, event)
@@ -163,7 +168,7 @@ class FlowRunner:
                 if isinstance(item, TextDelta):
                     text.append(item.text)
             answer = json.loads("".join(text))
-        except (ProviderError, ValueError) as exc:
+        except (ProviderError, ValueError, RecursionError) as exc:
             log.warning("flow.classify_failed", flow=self.flow.name, error=str(exc))
             return IntentClassified(None, error=str(exc))
         finally:
@@ -171,32 +176,61 @@ class FlowRunner:
         if not isinstance(answer, dict):
             return IntentClassified(None, error="the classifier did not answer a JSON object")
         intent = answer.pop("intent", None)
+        offered = {i.name for i in ask.intents}
         slots = {k: v for k, v in answer.items() if v is not None}
-        return IntentClassified(intent if intent not in (None, "none") else None, slots)
+        return IntentClassified(
+            intent if isinstance(intent, str) and intent in offered else None, slots
+        )
 
     # ------------------------------------------------------------ HTTP
 
     async def _http(self, request: HttpRequest) -> HttpResult:
         try:
-            response = await self.http.request(
-                request.method,
-                request.url,
-                headers=dict(request.headers),
-                json=request.json,
-                timeout=request.timeout,
-            )
-        except httpx.HTTPError as exc:
-            log.warning("flow.http_failed", flow=self.flow.name, error=type(exc).__name__)
+            async with asyncio.timeout(request.timeout):  # total, not per read
+                status, content = await self._fetch(request)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, TimeoutError) as exc:
+            # ValueError covers headers or URLs httpx cannot encode (e.g. non-ASCII headers).
+            name = "TimeoutError" if isinstance(exc, TimeoutError) else type(exc).__name__
+            log.warning("flow.http_failed", flow=self.flow.name, error=name)
+            return HttpResult(False, 0, None, f"{name}: {exc}" if str(exc) else name)
+        if content is None:
             return HttpResult(
-                False, 0, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                False, status, None, f"the answer is too large (over {MAX_BODY} bytes)"
             )
-        try:
-            body = response.json() if response.content else None
-        except ValueError:
-            body = None
-        if not response.is_success:
-            return HttpResult(False, response.status_code, body, f"HTTP {response.status_code}")
-        return HttpResult(True, response.status_code, body)
+        body = await _parse_json(content)
+        if not 200 <= status < 300:
+            return HttpResult(False, status, body, f"HTTP {status}")
+        return HttpResult(True, status, body)
+
+    async def _fetch(self, request: HttpRequest) -> tuple[int, bytes | None]:
+        """Status and body; the body is None when it is larger than ``MAX_BODY``."""
+        async with self.http.stream(
+            request.method,
+            request.url,
+            headers=dict(request.headers),
+            json=request.json,
+            timeout=request.timeout,
+        ) as response:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    return response.status_code, None
+                chunks.append(chunk)
+            return response.status_code, b"".join(chunks)
+
+
+async def _parse_json(content: bytes) -> Any:
+    """The JSON answer, or None; a large one is parsed in a worker thread."""
+    if not content:
+        return None
+    try:
+        if len(content) > 64_000:
+            return await asyncio.to_thread(json.loads, content)
+        return json.loads(content)
+    except (ValueError, RecursionError):
+        return None
 
 
 async def _close(stream: AsyncIterator[object]) -> None:

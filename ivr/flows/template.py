@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import quote
 
 _REF = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)\s*\}\}")
 _OPEN = re.compile(r"\{\{")
@@ -62,6 +63,18 @@ def render(text: str, variables: Mapping[str, Any]) -> str:
         return "" if value is None else _as_text(value)
 
     return _REF.sub(one, text)
+
+
+def render_url(text: str, variables: Mapping[str, Any]) -> str:
+    """Render a URL: every value is percent-encoded (a caller's or model's words cannot add path
+    segments or query fields), except a reference that starts the URL, which is its base."""
+
+    def one(match: re.Match[str]) -> str:
+        value = lookup(variables, match.group(1))
+        text = "" if value is None else _as_text(value)
+        return text if match.start() == 0 else quote(text, safe="")
+
+    return _REF.sub(one, text.strip())
 
 
 def render_value(value: Any, variables: Mapping[str, Any]) -> Any:

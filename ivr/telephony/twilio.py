@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,9 @@ class Unknown:
 InboundMessage = Connected | Start | Media | Dtmf | Mark | Stop | Unknown
 
 DTMF_DIGITS = frozenset("0123456789*#ABCD")
+E164 = re.compile(r"\+[1-9]\d{6,14}")
+"""The only numbers a transfer may dial."""
+TRANSFER_FAILED_PROMPT = "Sorry, I can't transfer your call right now. Please call back later."
 
 
 def parse_message(text: str | bytes) -> InboundMessage:

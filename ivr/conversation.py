@@ -116,9 +116,7 @@ def attach_flows(gateway: Gateway) -> FlowRegistry:
     gateway.on_close(http.aclose)
 
     async def on_reload(problems: list[Problem]) -> None:
-        versions.remember(registry.flows)
-        for problem in problems:
-            log.error("flows.refused", problem=str(problem))
+        versions.remember(registry.flows)  # the registry itself logs what it refused
         added = await gateway.prompts.warm(gateway.tts, sorted(registry.static_prompt_texts()))
         log.info("flows.reloaded", refused=len(problems), prompts_synthesised=added)
 

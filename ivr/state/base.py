@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ivr.errors import IvrError
+from ivr.obs.pii import mask_deep, mask_speech
 
 DEFAULT_HISTORY_LIMIT = 50
 DEFAULT_TURNS_LIMIT = 100
@@ -200,6 +201,17 @@ class CallRecord(BaseModel):
                 masked[name] = json.loads(raw)
         return self.model_copy(update=masked, deep=True)
 
+    def view(self, *, pii: bool = False) -> dict[str, Any]:
+        """The record as JSON data for people (admin API, ``ivr calls``): unless ``pii``, its
+        numbers masked, and phone- or card-like text anywhere in it too (history, variables)."""
+        if pii:
+            return self.model_dump(mode="json")
+        data: dict[str, Any] = mask_deep(self.redacted().model_dump(mode="json"), mask_speech)
+        # Ids and digests, never a person's number (a digest may be all digits by chance).
+        for name in ("call_sid", "stream_sid", "account_sid", "flow_version", "instance_id"):
+            data[name] = getattr(self, name)
+        return data
+
     def to_json(self) -> str:
         return self.model_dump_json()
 
@@ -310,5 +322,9 @@ class CallStore(Protocol):
         ...
 
     async def ping(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Begin background work (reconnects, reconciliation); before the first call."""
+        ...
 
     async def aclose(self) -> None: ...

@@ -1,5 +1,8 @@
 """`ivr calls list` / `ivr calls show SID`: look at live call state from a shell.
 
+Numbers, and phone- or card-like text anywhere in a record, are masked unless ``--pii``: whoever
+runs this reads Redis directly, but screens and terminal logs are shared.
+
 Usage from the main CLI: ``add_commands(subparsers)`` then ``sys.exit(args.func(args))``.
 """
 
@@ -10,9 +13,10 @@ import asyncio
 import json
 import os
 import sys
+from datetime import datetime
 from typing import Any
 
-from ivr.state.base import CallRecord, StoreError
+from ivr.state.base import StoreError
 from ivr.state.redis_store import RedisCallStore
 
 _COLUMNS = ("call_sid", "status", "flow_name", "node", "from_number", "instance_id", "updated_at")
@@ -31,6 +35,9 @@ def add_commands(subparsers: Any) -> None:
         parser.add_argument("--redis-url", default=os.environ.get("IVR_REDIS_URL"))
         parser.add_argument("--redis-prefix", default=os.environ.get("IVR_REDIS_PREFIX", "ivr:"))
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument(
+            "--pii", action="store_true", help="show phone and card numbers unmasked"
+        )
 
 
 def _store(args: argparse.Namespace) -> RedisCallStore | None:
@@ -47,9 +54,9 @@ def _run_list(args: argparse.Namespace) -> int:
     calls = _run(store, store.list_active(args.limit))
     if calls is None:
         return 1
-    rows = [c.redacted() for c in calls]
+    rows = [c.view(pii=args.pii) for c in calls]
     if args.json:
-        print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+        print(json.dumps(rows, indent=2))
     else:
         print(_table(rows))
     return 0
@@ -63,7 +70,7 @@ def _run_show(args: argparse.Namespace) -> int:
     if record is None:
         print(f"error: call {args.sid!r} not found", file=sys.stderr)
         return 1
-    shown = record.redacted().model_dump(mode="json")
+    shown = record.view(pii=args.pii)
     if args.json:
         print(json.dumps(shown, indent=2))
     else:
@@ -86,8 +93,8 @@ def _run(store: RedisCallStore, op: Any) -> Any:
     return asyncio.run(go())
 
 
-def _table(rows: list[CallRecord]) -> str:
-    cells = [[_cell(getattr(r, c)) for c in _COLUMNS] for r in rows]
+def _table(rows: list[dict[str, Any]]) -> str:
+    cells = [[_cell(r.get(c), c) for c in _COLUMNS] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(_COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
@@ -95,9 +102,9 @@ def _table(rows: list[CallRecord]) -> str:
     return "\n".join(lines)
 
 
-def _cell(value: object) -> str:
+def _cell(value: object, column: str) -> str:
     if value is None:
         return "-"
-    if hasattr(value, "isoformat"):
-        return str(value.isoformat(timespec="seconds"))
+    if column.endswith("_at") and isinstance(value, str):
+        return datetime.fromisoformat(value).isoformat(timespec="seconds")
     return str(value)

@@ -24,13 +24,21 @@ from ivr.state.base import (
 )
 
 _TOKEN_SWEEP_AT = 1024
+_CALL_SWEEP_EVERY = 256
+DEFAULT_ACTIVE_TTL = 6 * 3600.0
+"""A live record not written for this long is orphaned (Twilio caps a call at 4 h): as in Redis."""
 
 
 class MemoryCallStore:
-    def __init__(self, *, ended_ttl: float = DEFAULT_ENDED_TTL) -> None:
+    def __init__(
+        self, *, ended_ttl: float = DEFAULT_ENDED_TTL, active_ttl: float = DEFAULT_ACTIVE_TTL
+    ) -> None:
         self.ended_ttl = ended_ttl
+        self.active_ttl = active_ttl
         self._calls: dict[str, str] = {}
-        self._expires: dict[str, float] = {}  # call_sid -> monotonic deadline (ended calls)
+        self._expires: dict[str, float] = {}  # call_sid -> monotonic deadline
+        self._ended: set[str] = set()  # calls whose deadline counts from their end
+        self._creates = 0
         self._tokens: dict[str, tuple[str, float]] = {}
         self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
         self._lock = asyncio.Lock()
@@ -38,8 +46,7 @@ class MemoryCallStore:
     def _load(self, call_sid: str) -> CallRecord | None:
         deadline = self._expires.get(call_sid)
         if deadline is not None and time.monotonic() >= deadline:
-            self._calls.pop(call_sid, None)
-            self._expires.pop(call_sid, None)
+            self._forget(call_sid)
         raw = self._calls.get(call_sid)
         return None if raw is None else CallRecord.from_json(raw, f"memory:{call_sid}")
 
@@ -49,8 +56,11 @@ class MemoryCallStore:
                 raise CallExists(record.call_sid)
             stored, raw = prepare_new(record)
             self._calls[record.call_sid] = raw
-            self._expires.pop(record.call_sid, None)
+            self._forget_deadline(record.call_sid)
             self._set_expiry(stored)
+            self._creates += 1
+            if self._creates % _CALL_SWEEP_EVERY == 0:  # records nobody reads again
+                self._sweep()
             return stored
 
     async def get(self, call_sid: str) -> CallRecord | None:
@@ -68,11 +78,29 @@ class MemoryCallStore:
             return stored
 
     def _set_expiry(self, record: CallRecord) -> None:
+        sid = record.call_sid
+        if record.ended_at is None:  # live: every write renews it, like the Redis key's TTL
+            self._expires[sid] = time.monotonic() + self.active_ttl
+            return
         # Measured from ended_at, so re-writing an ended call does not extend its life.
-        if record.ended_at is None or record.call_sid in self._expires:
+        if sid in self._ended:
             return
         elapsed = (record.updated_at - record.ended_at).total_seconds()
-        self._expires[record.call_sid] = time.monotonic() + max(0.0, self.ended_ttl - elapsed)
+        self._expires[sid] = time.monotonic() + max(0.0, self.ended_ttl - elapsed)
+        self._ended.add(sid)
+
+    def _forget_deadline(self, call_sid: str) -> None:
+        self._expires.pop(call_sid, None)
+        self._ended.discard(call_sid)
+
+    def _forget(self, call_sid: str) -> None:
+        self._calls.pop(call_sid, None)
+        self._forget_deadline(call_sid)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for sid in [sid for sid, deadline in self._expires.items() if deadline <= now]:
+            self._forget(sid)
 
     async def end(self, call_sid: str, status: CallStatus = CallStatus.ENDED) -> None:
         await self.update(call_sid, ending(status))
@@ -112,6 +140,9 @@ class MemoryCallStore:
 
     async def ping(self) -> bool:
         return True
+
+    async def start(self) -> None:
+        """Nothing runs in the background of an in-memory store."""
 
     async def aclose(self) -> None:
         return None

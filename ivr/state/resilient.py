@@ -7,6 +7,17 @@ reconciler, owned by this store (``start()``/``aclose()``), probes the primary w
 writes the queued records back. For the calls it carries, this instance's latest record wins;
 if the primary changed meanwhile (someone else wrote), the overwrite is counted as a conflict
 and logged.
+
+Every primary operation on a call's path has a *budget* (``budget`` seconds, IVR_REDIS_BUDGET_MS):
+a Redis that is slow, paused or black-holed costs a call at most that long once, then the store
+is degraded and the call goes on from memory. A write cut off by the budget may still land; its
+write-back finds the primary already holding our record (same content) and is not a conflict.
+
+Stream tokens: while the primary answers, its GETDEL decides single use for every instance
+(a token it says was spent is refused even if this instance minted it). While it does not, a
+token whose signature the caller checked (``claim_stream_token``) is admitted once per instance,
+and the spend is replayed to the primary when it returns. Tokens minted while degraded are not
+written back: a spend elsewhere during the outage could not be ordered against that write.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ import contextlib
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple, TypeVar
 
 import structlog
 
@@ -39,8 +52,17 @@ from ivr.state.base import (
 
 log = structlog.get_logger("ivr.state")
 
+T = TypeVar("T")
 _Stamp = tuple[int, datetime]
 MAX_LOCAL_FLOWS = 256  # flow versions whose sources are kept here (a few KB to MB each)
+DEFAULT_BUDGET = 0.15  # seconds a call may wait on the primary for one operation
+_SWEEP_AT = 1024  # token maps are swept of expired entries past this size
+
+
+class _Token(NamedTuple):
+    call_sid: str
+    deadline: float  # monotonic
+    in_primary: bool  # the primary acknowledged it (else minted here while degraded)
 
 
 def _stamp(record: CallRecord) -> _Stamp:
@@ -61,6 +83,7 @@ class StoreStatistics:
     failures: int  # primary operations that failed as unavailable
     conflicts: int  # write-backs that overwrote a change made elsewhere
     dropped: int  # queued records lost (queue full, close with primary down, corrupt remote)
+    over_budget: int = 0  # primary operations cut off by the budget
 
 
 class ResilientCallStore:
@@ -74,8 +97,12 @@ class ResilientCallStore:
         min_backoff: float = 0.1,
         max_backoff: float = 5.0,
         close_timeout: float = 2.0,
+        budget: float = DEFAULT_BUDGET,
     ) -> None:
+        if budget <= 0:
+            raise ValueError(f"store budget must be > 0 seconds, got {budget}")
         self.primary = primary
+        self.budget = budget
         self.instance_id = instance_id
         self.max_pending = max_pending
         self.max_local = max_local
@@ -88,15 +115,17 @@ class ResilientCallStore:
         self.failures = 0
         self.conflicts = 0
         self.dropped = 0
+        self.over_budget = 0
         self._local: OrderedDict[str, CallRecord] = OrderedDict()
         # What the primary last held for each call, None: never stored there. Version plus
         # updated_at, since a Redis restarted empty hands out the same version numbers again.
         self._synced: dict[str, _Stamp | None] = {}
         self._pending: OrderedDict[str, CallRecord] = OrderedDict()
-        self._tokens: dict[str, tuple[str, float]] = {}
-        self._pending_tokens: dict[str, tuple[str, float]] = {}
+        self._tokens: dict[str, _Token] = {}  # minted here, not yet spent
+        self._spent: dict[str, float] = {}  # spent here -> monotonic deadline
+        self._pending_spends: dict[str, float] = {}  # spent while degraded: GETDEL on return
         # Flow sources this instance saved (version -> (sources, deadline)), newest last; the
-        # pending ones are written back with their remaining TTL, like tokens.
+        # pending ones are written back with their remaining TTL.
         self._flows: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()
         self._pending_flows: set[str] = set()
         self._wake = asyncio.Event()
@@ -115,7 +144,7 @@ class ResilientCallStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._pending or self._pending_tokens or self._pending_flows:
+        if self._has_pending():
             await self._final_flush()
         await self.primary.aclose()
 
@@ -137,14 +166,28 @@ class ResilientCallStore:
             failures=self.failures,
             conflicts=self.conflicts,
             dropped=self.dropped,
+            over_budget=self.over_budget,
         )
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending or self._pending_spends or self._pending_flows)
+
+    async def _within_budget(self, op: str, work: Awaitable[T]) -> T:
+        """``work`` on the primary, or ``StoreUnavailable`` once the budget is spent."""
+        try:
+            async with asyncio.timeout(self.budget):
+                return await work
+        except TimeoutError:
+            self.over_budget += 1
+            ms = round(self.budget * 1000)
+            raise StoreUnavailable(f"{op}: no answer from the store within {ms} ms") from None
 
     # -- CallStore -------------------------------------------------------------------------
 
     async def create(self, record: CallRecord) -> CallRecord:
         if not self.degraded:
             try:
-                stored = await self.primary.create(record)
+                stored = await self._within_budget("create", self.primary.create(record))
             except StoreUnavailable as exc:
                 self._degrade("create", exc)
             else:
@@ -160,7 +203,7 @@ class ResilientCallStore:
     async def get(self, call_sid: str) -> CallRecord | None:
         if not self.degraded and call_sid not in self._pending:
             try:
-                found = await self.primary.get(call_sid)
+                found = await self._within_budget("get", self.primary.get(call_sid))
             except StoreUnavailable as exc:
                 self._degrade("get", exc)
             else:
@@ -172,7 +215,8 @@ class ResilientCallStore:
     async def update(self, call_sid: str, mutate: Mutator) -> CallRecord:
         if not self.degraded and call_sid not in self._pending:
             try:
-                stored = await self.primary.update(call_sid, mutate)
+                work = self.primary.update(call_sid, mutate)
+                stored = await self._within_budget("update", work)
             except StoreUnavailable as exc:
                 self._degrade("update", exc)
             except CallNotFound:
@@ -198,33 +242,53 @@ class ResilientCallStore:
         return [clone(r) for r in live[:limit]]
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
-        entry = (call_sid, time.monotonic() + ttl)
         self._sweep_tokens()
-        self._tokens[token] = entry
+        in_primary = False
         if not self.degraded:
             try:
-                await self.primary.put_stream_token(call_sid, token, ttl)
-                return
+                work = self.primary.put_stream_token(call_sid, token, ttl)
+                await self._within_budget("put_stream_token", work)
+                in_primary = True
             except StoreUnavailable as exc:
                 self._degrade("put_stream_token", exc)
-        self._pending_tokens[token] = entry
-        self._wake.set()
+        self._tokens[token] = _Token(call_sid, time.monotonic() + ttl, in_primary)
 
     async def redeem_stream_token(self, token: str) -> str | None:
-        entry = self._tokens.pop(token, None)
-        self._pending_tokens.pop(token, None)
-        if entry is not None and entry[1] > time.monotonic():
-            if not self.degraded:
-                with contextlib.suppress(StoreUnavailable):
-                    await self.primary.redeem_stream_token(token)  # spend it everywhere
-            return entry[0]
-        if self.degraded:
+        return await self._spend(token, None, 0.0)
+
+    async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
+        """Spend ``token``, which the caller verified belongs to ``call_sid`` and is good for
+        ``ttl`` more seconds: True on its first use. While the primary is unreachable, first
+        use means first on this instance."""
+        return await self._spend(token, call_sid, ttl) == call_sid
+
+    async def _spend(self, token: str, authentic: str | None, ttl: float) -> str | None:
+        now = time.monotonic()
+        if self._spent.get(token, 0.0) > now:
+            return None  # used here already: a replay
+        mine = self._tokens.pop(token, None)
+        if mine is not None and mine.deadline <= now:
+            mine = None
+        if not self.degraded:
+            try:
+                work = self.primary.redeem_stream_token(token)
+                sid = await self._within_budget("redeem_stream_token", work)
+            except StoreUnavailable as exc:
+                self._degrade("redeem_stream_token", exc)
+            else:
+                if sid is None and mine is not None and not mine.in_primary:
+                    sid = mine.call_sid  # minted here while degraded: the primary never had it
+                if sid is not None:
+                    self._spent[token] = now + max(ttl, mine.deadline - now if mine else 0.0)
+                return sid  # the primary's answer wins over any local copy
+        sid = authentic or (mine.call_sid if mine is not None else None)
+        if sid is None:
             return None
-        try:
-            return await self.primary.redeem_stream_token(token)
-        except StoreUnavailable as exc:
-            self._degrade("redeem_stream_token", exc)
-            return None
+        deadline = now + max(ttl, mine.deadline - now if mine else 0.0)
+        self._spent[token] = deadline
+        self._pending_spends[token] = deadline  # tell the primary when it is back
+        self._wake.set()
+        return sid
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
         kept = self._flows.get(version)
@@ -237,7 +301,8 @@ class ResilientCallStore:
             self._pending_flows.discard(old)
         if not self.degraded:
             try:
-                await self.primary.save_flow_sources(version, sources, ttl)
+                work = self.primary.save_flow_sources(version, sources, ttl)
+                await self._within_budget("save_flow_sources", work)
                 return
             except StoreUnavailable as exc:
                 self._degrade("save_flow_sources", exc)
@@ -251,13 +316,17 @@ class ResilientCallStore:
         if self.degraded:
             return None
         try:
-            return await self.primary.load_flow_sources(version)
+            work = self.primary.load_flow_sources(version)
+            return await self._within_budget("load_flow_sources", work)
         except StoreUnavailable as exc:
             self._degrade("load_flow_sources", exc)
             return None
 
     async def ping(self) -> bool:
-        return await self.primary.ping()
+        try:
+            return await self._within_budget("ping", self.primary.ping())
+        except StoreUnavailable:
+            return False
 
     # -- local state -----------------------------------------------------------------------
 
@@ -328,10 +397,11 @@ class ResilientCallStore:
         self._wake.set()
 
     def _sweep_tokens(self) -> None:
-        if len(self._tokens) < 1024:
-            return
         now = time.monotonic()
-        self._tokens = {t: e for t, e in self._tokens.items() if e[1] > now}
+        if len(self._tokens) >= _SWEEP_AT:
+            self._tokens = {t: e for t, e in self._tokens.items() if e.deadline > now}
+        if len(self._spent) >= _SWEEP_AT:
+            self._spent = {t: d for t, d in self._spent.items() if d > now}
 
     def _degrade(self, op: str, exc: StoreUnavailable) -> None:
         self.failures += 1
@@ -362,7 +432,7 @@ class ResilientCallStore:
                 log.exception("call_store_reconcile_failed")
             else:
                 delay = self.min_backoff
-                if not self._pending and not self._pending_tokens and not self._pending_flows:
+                if not self._has_pending():
                     self._wake.clear()
                     if self.degraded:
                         self._recover()
@@ -383,11 +453,12 @@ class ResilientCallStore:
         await self._flush_flows()
 
     async def _flush_tokens(self) -> None:
-        for token, (sid, deadline) in list(self._pending_tokens.items()):
-            left = deadline - time.monotonic()
-            if left > 0:
-                await self.primary.put_stream_token(sid, token, left)
-            self._pending_tokens.pop(token, None)
+        """Spend on the primary what was spent here while it was unreachable, so a replay
+        cannot use a token the primary still holds."""
+        for token, deadline in list(self._pending_spends.items()):
+            if deadline > time.monotonic():
+                await self.primary.redeem_stream_token(token)
+            self._pending_spends.pop(token, None)
 
     async def _flush_flows(self) -> None:
         for version in list(self._pending_flows):
@@ -401,10 +472,19 @@ class ResilientCallStore:
         sid = record.call_sid
         base = self._synced.get(sid)
         try:
-            stored = await self._overwrite(record, base)
+            if record.instance_id is None:
+                # Answered here, carried by no stream here: the instance that carried it
+                # (Redis away) writes its record back; ours only fills a gap, never overwrites.
+                stored = await self._create_only(record)
+            else:
+                stored = await self._overwrite(record, base)
         except CorruptRecord as exc:
             self.dropped += 1
             log.error("call_store_reconcile_dropped", call_sid=sid, error=str(exc))
+            return
+        if stored is None:
+            if self._pending.get(sid) is record:
+                self._forget(sid)
             return
         self.reconciled += 1
         if self._pending.get(sid) is record:
@@ -412,13 +492,23 @@ class ResilientCallStore:
         else:
             self._synced[sid] = _stamp(stored)
 
+    async def _create_only(self, record: CallRecord) -> CallRecord | None:
+        try:
+            return await self.primary.create(record)
+        except CallExists:
+            log.info("call_store_writeback_skipped", call_sid=record.call_sid)
+            return None
+
     async def _overwrite(self, record: CallRecord, base: _Stamp | None) -> CallRecord:
         """Make the primary hold ``record`` (this instance wins); count a conflict if the
-        primary's version is not the one our queued changes were based on."""
-        seen: list[_Stamp] = []
+        primary's version is not the one our queued changes were based on, unless it already
+        holds our content (a write cut off by the budget that landed after all)."""
+        seen: list[_Stamp | None] = []  # per attempt: the primary's stamp, None: it had ours
+        ours = record.model_dump(include=set(_COPIED))
 
         def take_ours(remote: CallRecord) -> None:
-            seen.append(_stamp(remote))
+            landed = remote.model_dump(include=set(_COPIED)) == ours
+            seen.append(None if landed else _stamp(remote))
             for name in _COPIED:
                 setattr(remote, name, getattr(record, name))
 
@@ -430,8 +520,9 @@ class ResilientCallStore:
                     return await self.primary.create(record)
                 except CallExists:
                     continue  # created elsewhere in between: overwrite it on the next try
-            if seen and seen[-1] != base:
-                self._conflict(record.call_sid, base, seen[-1])
+            found = seen[-1] if seen else None
+            if found is not None and found != base:
+                self._conflict(record.call_sid, base, found)
             return stored
         raise StoreError(f"call {record.call_sid!r}: could not write back (created concurrently)")
 

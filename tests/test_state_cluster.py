@@ -1,0 +1,499 @@
+"""RedisCallStore on a real Redis Cluster (3 masters + 3 replicas) and a real Sentinel deployment
+(1 master + 1 replica + 3 sentinels), both started here: the store contract, the key layout,
+and a call that keeps every acknowledged update through a master failover mid-call."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import test_state_contract as contract
+from redis.crc import key_slot
+from redis_cluster import SERVICE, ClusterProcesses, Node, SentinelProcesses
+from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+
+from ivr.errors import ConfigError
+from ivr.state.base import CallStore, apply_mutation
+from ivr.state.redis_store import RedisCallStore
+from ivr.state.redis_urls import RedisTarget, parse_redis_url
+
+# -- URLs: no server needed --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://127.0.0.1:6379/0", RedisTarget(mode="single", url="redis://127.0.0.1:6379/0")),
+        (
+            "redis+sentinel://:pw@s1,s2:26380/mymaster/2",
+            RedisTarget(
+                mode="sentinel",
+                url="redis+sentinel://:pw@s1,s2:26380/mymaster/2",
+                nodes=(("s1", 26379), ("s2", 26380)),
+                service="mymaster",
+                db=2,
+                password="pw",
+                failover_timeout=10.0,
+                wait_replicas=1,
+            ),
+        ),
+        (
+            "redis+cluster://app:p%40ss@[::1]:7000,n2?wait_replicas=0&failover_timeout=2.5",
+            RedisTarget(
+                mode="cluster",
+                url="redis+cluster://app:p%40ss@[::1]:7000,n2?wait_replicas=0&failover_timeout=2.5",
+                nodes=(("::1", 7000), ("n2", 6379)),
+                username="app",
+                password="p@ss",
+                failover_timeout=2.5,
+                wait_replicas=0,
+            ),
+        ),
+    ],
+)
+def test_each_url_form_names_its_deployment(url: str, expected: RedisTarget) -> None:
+    assert parse_redis_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://h:6379", "unknown scheme 'http'"),
+        ("redis+sentinel://s1:26379", "no service name"),
+        ("redis+sentinel://s1/mymaster/zero", "database 'zero' is not a number"),
+        ("redis+sentinel://s1/a/b/c", "expected /<service> or /<service>/<db>"),
+        ("redis+cluster://n1:7000/3", "a cluster has only database 0"),
+        ("redis+cluster://n1:7000,n2:70a0", "host 2 ('n2:70a0'): port '70a0' is not a number"),
+        ("redis+cluster://n1,,n3", "host 2 (''): empty host name"),
+        ("redis+cluster://", "no host"),
+        ("redis+cluster://[::1:7000", "Invalid IPv6 URL"),
+        ("redis+cluster://n1?wait=1", "unknown option 'wait' for redis+cluster://"),
+        ("redis+cluster://n1?sentinel_password=x", "unknown option 'sentinel_password'"),
+        ("redis+cluster://n1?wait_replicas=-1", "wait_replicas='-1' must be a finite number"),
+        ("redis+cluster://n1?failover_timeout=soon", "failover_timeout='soon' is not a float"),
+        ("redis+cluster://n1?wait_replicas=1&wait_replicas=2", "'wait_replicas' is given twice"),
+        ("rediss+cluster://n1", "TLS to a sentinel or cluster"),
+    ],
+)
+def test_a_malformed_url_is_a_config_error_naming_the_bad_part(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match="redis URL") as caught:
+        parse_redis_url(url)
+    assert problem in str(caught.value)
+
+
+def test_a_url_error_never_shows_a_password() -> None:
+    for url in (
+        "redis+sentinel://:hunter2@s1/svc/x",
+        "redis+sentinel://s1/svc?sentinel_password=hunter2&nope=1",
+        "redis+cluster://user:hunter2@[::1:7000",
+    ):
+        with pytest.raises(ConfigError) as caught:
+            parse_redis_url(url)
+        assert "hunter2" not in str(caught.value)
+
+
+def test_a_cluster_prefix_with_braces_is_refused() -> None:
+    # It would replace the per-call hash tag: every call in one slot, on one master.
+    with pytest.raises(ConfigError, match="prefix '\\{ivr\\}:'"):
+        RedisCallStore("redis+cluster://127.0.0.1:7000", prefix="{ivr}:")
+
+
+# -- the deployments -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ClusterProcesses]:
+    with ClusterProcesses(masters=3, replicas=1, node_timeout_ms=1000) as deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def sentinel() -> Iterator[SentinelProcesses]:
+    with SentinelProcesses(replicas=1, sentinels=3, down_after_ms=1000) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def fresh_sentinel() -> Iterator[SentinelProcesses]:
+    """A deployment of its own, for a test that fails its master over."""
+    with SentinelProcesses(replicas=1, sentinels=3, down_after_ms=1000) as deployment:
+        yield deployment
+
+
+Deployment = ClusterProcesses | SentinelProcesses
+StoreFactory = Callable[..., CallStore]
+HA = [
+    pytest.param("cluster", marks=pytest.mark.slow),
+    pytest.param("sentinel", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(params=HA)
+def deployment(request: pytest.FixtureRequest) -> Deployment:
+    found: Deployment = request.getfixturevalue(request.param)
+    return found
+
+
+@pytest.fixture
+async def make_store(deployment: Deployment) -> AsyncIterator[StoreFactory]:
+    prefix = unique_prefix()
+    made: list[RedisCallStore] = []
+
+    def make(**kwargs: Any) -> RedisCallStore:
+        store = RedisCallStore(deployment.url, prefix=prefix, **kwargs)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.aclose()
+    await asyncio.to_thread(deployment.delete_prefix, prefix)
+
+
+@pytest.fixture
+def store(make_store: StoreFactory) -> CallStore:
+    return make_store()
+
+
+# The store contract (test_state_contract.py) against the cluster and through sentinel: every
+# async contract test that needs only ``store``/``make_store``, which here are the two above.
+def _store_contract_test(name: str, test: object) -> bool:
+    if not name.startswith("test_") or not inspect.iscoroutinefunction(test):
+        return False
+    return set(inspect.signature(test).parameters) <= {"store", "make_store"}
+
+
+for _name, _test in vars(contract).items():
+    if _store_contract_test(_name, _test):
+        globals()[_name] = _test
+
+
+# -- layout and pool ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_cluster_keys_carry_the_call_sid_as_hash_tag(cluster: ClusterProcesses) -> None:
+    prefix = unique_prefix()
+    store = RedisCallStore(cluster.url, prefix=prefix)
+    try:
+        await store.create(contract.a_call("CA-tag"))
+        await store.update("CA-tag", contract.incr("n"))
+        await store.put_stream_token("CA-tag", "tok1", ttl=60)
+        await store.save_flow_sources("v1", {"a.yaml": "x"}, ttl=60)
+        keys = set(await asyncio.to_thread(_all_keys, cluster, prefix))
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(cluster.delete_prefix, prefix)
+    call_key = f"{prefix}call:{{CA-tag}}"
+    assert keys == {call_key, f"{prefix}active", f"{prefix}token:tok1", f"{prefix}flow:v1"}
+    assert key_slot(call_key.encode()) == key_slot(b"CA-tag")
+
+
+def _all_keys(deployment: Deployment, prefix: str) -> list[str]:
+    keys = []
+    for node in deployment.nodes:
+        if node.alive and not node.sentinel and node.role() == "master":
+            with node.client() as c:
+                keys += [str(k) for k in c.scan_iter(match=f"{prefix}*")]
+    return keys
+
+
+@pytest.mark.slow
+async def test_sentinel_keeps_the_single_server_layout(sentinel: SentinelProcesses) -> None:
+    """A call written through redis:// to the master is the same call through redis+sentinel://,
+    so a deployment can move from one URL to the other with calls in flight."""
+    prefix = unique_prefix()
+    master_url = f"redis://127.0.0.1:{sentinel.master().port}/0"
+    direct = RedisCallStore(master_url, prefix=prefix)
+    through = RedisCallStore(sentinel.url, prefix=prefix)
+    try:
+        await direct.create(contract.a_call("CA-move"))
+        moved = await through.update("CA-move", contract.incr("n"))
+        listed = [r.call_sid for r in await through.list_active()]
+        keys = set(await asyncio.to_thread(_all_keys, sentinel, prefix))
+    finally:
+        await direct.aclose()
+        await through.aclose()
+        await asyncio.to_thread(sentinel.delete_prefix, prefix)
+    assert moved.version == 2 and moved.variables == {"n": 1} and listed == ["CA-move"]
+    assert keys == {f"{prefix}call:CA-move", f"{prefix}active"}
+
+
+@pytest.mark.parametrize("name", HA)
+async def test_a_small_pool_serves_many_concurrent_calls(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    """Past max_connections callers wait, as with one server (a cluster client would raise)."""
+    deployment: Deployment = request.getfixturevalue(name)
+    prefix = unique_prefix()
+    store = RedisCallStore(deployment.url, prefix=prefix, max_connections=2)
+    sids = [f"CA-{i}" for i in range(60)]
+    try:
+        await asyncio.gather(*(store.create(contract.a_call(s)) for s in sids))
+        await asyncio.gather(*(store.update(s, contract.incr("n")) for s in sids))
+        records = await asyncio.gather(*(store.get(s) for s in sids))
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(deployment.delete_prefix, prefix)
+    assert [r.variables["n"] if r else None for r in records] == [1] * 60
+
+
+@pytest.mark.parametrize("name", ["single", *HA])
+async def test_two_writers_with_identical_records_do_not_both_count(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    """Two instances updating the same version with the same mutation in the same microsecond
+    write identical JSON. The second must see a conflict (and re-apply on the new version),
+    not take the first's write for its own: that lost one update in about one run of 15 of
+    test_two_processes_updating_one_call_lose_no_update."""
+    url = LOCAL_REDIS_URL if name == "single" else request.getfixturevalue(name).url
+    prefix = unique_prefix()
+    store = RedisCallStore(url, prefix=prefix)
+    try:
+        current = await store.create(contract.a_call("CA-twin"))
+        new, raw = apply_mutation(current, contract.incr("n"))
+        first = await store._compare_and_set(current.version, new, raw, fresh=True)
+        twin = await store._compare_and_set(current.version, new, raw, fresh=True)
+        resent = await store._compare_and_set(current.version, new, raw)  # reply was lost
+    finally:
+        await store.aclose()
+        if name == "single":
+            await delete_prefix(LOCAL_REDIS_URL, prefix)
+        else:
+            await asyncio.to_thread(request.getfixturevalue(name).delete_prefix, prefix)
+    assert (first, twin, resent) == (1, 0, 2)
+
+
+# -- replication: WAIT after each write --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", HA)
+async def test_a_write_no_replica_confirms_is_counted_then_not_waited_for(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    deployment: Deployment = request.getfixturevalue(name)
+    prefix = unique_prefix()
+    store = RedisCallStore(deployment.url + "?wait_timeout_ms=200", prefix=prefix)
+    try:
+        await store.create(contract.a_call("CA-w"))
+        assert store.unreplicated_writes == 0, "a healthy replica confirms at once"
+        replica = _replica_for(deployment, store.call_key("CA-w"))
+        os.kill(_pid(replica), signal.SIGSTOP)  # the replica stops reading its link
+        try:
+            started = time.monotonic()
+            await store.update("CA-w", contract.incr("n"))
+            waited = time.monotonic() - started
+            started = time.monotonic()
+            await store.update("CA-w", contract.incr("n"))
+            next_write = time.monotonic() - started
+        finally:
+            os.kill(_pid(replica), signal.SIGCONT)
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(deployment.delete_prefix, prefix)
+    assert waited >= 0.2 and store.unreplicated_writes == 1
+    assert next_write < 0.1, "after one unconfirmed write the master is not waited on for 5 s"
+
+
+def _replica_for(deployment: Deployment, key: str) -> Node:
+    if isinstance(deployment, ClusterProcesses):
+        return deployment.replicas_of(deployment.master_of_slot(key_slot(key.encode())))[0]
+    master = deployment.master()
+    return next(n for n in deployment.data if n is not master and n.alive)
+
+
+def _pid(node: Node) -> int:
+    assert node.process is not None
+    return node.process.pid
+
+
+# -- failover mid-call -------------------------------------------------------------------------
+
+
+PREFIX = unique_prefix()  # shared by the failover tests: each has a call sid of its own
+
+
+@dataclass
+class Ride:
+    acked: int  # updates that returned
+    during: int  # ... while the failover was under way
+    unreplicated_before: int  # writes no replica had confirmed when the failover began
+    slowest: float  # the longest single update(), seconds: how long a write was blocked
+
+
+async def ride_through(store: RedisCallStore, sid: str, failover: Callable[[], None]) -> Ride:
+    """Update the call every 10 ms. Once 5 updates are acknowledged run ``failover`` (in a
+    thread; it returns once the new master serves), then stop after 5 more. The writer is never
+    cancelled mid-write, so ``acked`` is exact."""
+    acked, slowest = 0, 0.0
+    stop, tick = asyncio.Event(), asyncio.Event()
+
+    async def writer() -> None:
+        nonlocal acked, slowest
+        while not stop.is_set():
+            started = time.monotonic()
+            await store.update(sid, contract.incr("n"))
+            slowest = max(slowest, time.monotonic() - started)
+            acked += 1
+            tick.set()
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(writer(), name="failover-writer")
+    task.add_done_callback(lambda _: tick.set())
+    try:
+        async with asyncio.timeout(30.0):
+            await _until(tick, lambda: acked >= 5 or task.done())
+            before, unreplicated = acked, store.unreplicated_writes
+            await asyncio.to_thread(failover)
+            after = acked
+            await _until(tick, lambda: acked >= after + 5 or task.done())
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15.0)  # re-raises whatever failed the writer
+    return Ride(acked, after - before, unreplicated, slowest)
+
+
+async def _until(tick: asyncio.Event, condition: Callable[[], bool]) -> None:
+    while not condition():
+        tick.clear()
+        await tick.wait()
+
+
+async def assert_every_update_kept(url: str, sid: str, ride: Ride) -> None:
+    """Read back through a fresh store, so from whichever master the deployment names now, not
+    over a connection the writer may still hold to the old one."""
+    assert ride.unreplicated_before == 0, "every write before the failover had a replica's ack"
+    reader = RedisCallStore(url, prefix=PREFIX)
+    try:
+        record = await reader.get(sid)
+    finally:
+        await reader.aclose()
+    assert record is not None
+    assert record.variables["n"] == ride.acked and record.version == 1 + ride.acked
+    print(f"\n{sid}: {ride.acked} updates kept, {ride.during} while failing over,", end=" ")
+    print(f"longest update {ride.slowest:.3f} s")
+
+
+def _sid_on_redundant_shard(cluster: ClusterProcesses, store: RedisCallStore, tag: str) -> str:
+    """A call sid whose slot's master has a live replica (an earlier test may have used up one
+    shard's replica)."""
+    for i in range(200):
+        sid = f"CA-{tag}-{i}"
+        master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+        if cluster.replicas_of(master):
+            return sid
+    raise RuntimeError("no shard of the cluster has a live replica")
+
+
+@pytest.mark.slow
+async def test_cluster_call_survives_sigkill_of_its_master(cluster: ClusterProcesses) -> None:
+    store = RedisCallStore(cluster.url, prefix=PREFIX)
+    sid = _sid_on_redundant_shard(cluster, store, "kill")
+    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    replica = cluster.replicas_of(master)[0]
+    try:
+        await store.create(contract.a_call(sid))
+
+        def failover() -> None:
+            master.kill()
+            cluster.wait_promoted(replica, 10.0)
+
+        ride = await ride_through(store, sid, failover)
+        await assert_every_update_kept(cluster.url, sid, ride)
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(cluster.delete_prefix, PREFIX)
+    assert not master.alive and ride.slowest > 0.5, "the failover did block a write"
+
+
+@pytest.mark.slow
+async def test_cluster_call_survives_a_manual_failover(cluster: ClusterProcesses) -> None:
+    store = RedisCallStore(cluster.url, prefix=PREFIX)
+    sid = _sid_on_redundant_shard(cluster, store, "manual")
+    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    replica = cluster.replicas_of(master)[0]
+    try:
+        await store.create(contract.a_call(sid))
+
+        def failover() -> None:
+            replica.run("CLUSTER", "FAILOVER")
+            cluster.wait_promoted(replica, 10.0)
+
+        ride = await ride_through(store, sid, failover)
+        await assert_every_update_kept(cluster.url, sid, ride)
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(cluster.delete_prefix, PREFIX)
+    assert master.role() == "slave", "the old master now replicates the new one"
+
+
+@pytest.mark.slow
+async def test_cluster_call_survives_a_forced_failover(cluster: ClusterProcesses) -> None:
+    """FORCE: the replica takes over without the old master's agreement; the old master takes
+    writes until gossip tells it, and those must not be acknowledged."""
+    store = RedisCallStore(cluster.url, prefix=PREFIX)
+    sid = _sid_on_redundant_shard(cluster, store, "forced")
+    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    replica = cluster.replicas_of(master)[0]
+    try:
+        await store.create(contract.a_call(sid))
+
+        def failover() -> None:
+            replica.run("CLUSTER", "FAILOVER", "FORCE")
+            cluster.wait_promoted(replica, 10.0)
+
+        ride = await ride_through(store, sid, failover)
+        await assert_every_update_kept(cluster.url, sid, ride)
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(cluster.delete_prefix, PREFIX)
+
+
+@pytest.mark.slow
+async def test_sentinel_call_survives_sigkill_of_the_master(
+    fresh_sentinel: SentinelProcesses,
+) -> None:
+    store = RedisCallStore(fresh_sentinel.url, prefix=PREFIX)
+    old = fresh_sentinel.master()
+    try:
+        await store.create(contract.a_call("CA-s-kill"))
+
+        def failover() -> None:
+            old.kill()
+            fresh_sentinel.wait_switched(old, 10.0)
+
+        ride = await ride_through(store, "CA-s-kill", failover)
+        await assert_every_update_kept(fresh_sentinel.url, "CA-s-kill", ride)
+    finally:
+        await store.aclose()
+    assert ride.slowest > 0.5, "the failover did block a write"
+
+
+@pytest.mark.slow
+async def test_sentinel_call_survives_a_sentinel_failover(
+    fresh_sentinel: SentinelProcesses,
+) -> None:
+    """The old master stays up and takes writes until the sentinels demote it, seconds after the
+    switch, and then drops them: a write it took but no replica confirmed must be sent again to
+    the new master, not acknowledged."""
+    store = RedisCallStore(fresh_sentinel.url, prefix=PREFIX)
+    old = fresh_sentinel.master()
+    asker = fresh_sentinel.sentinels[0]
+    try:
+        await store.create(contract.a_call("CA-s-planned"))
+
+        def failover() -> None:
+            asker.run("SENTINEL", "FAILOVER", SERVICE)
+            fresh_sentinel.wait_switched(old, 10.0)
+
+        ride = await ride_through(store, "CA-s-planned", failover)
+        await assert_every_update_kept(fresh_sentinel.url, "CA-s-planned", ride)
+    finally:
+        await store.aclose()

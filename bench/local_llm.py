@@ -16,7 +16,7 @@ import time
 
 from openai import AsyncOpenAI
 
-from ivr.llm.local_server import LocalLlmServer
+from ivr.engines.llm_server import LocalLlmServer
 
 SYSTEM = "You are a phone assistant for Acme Bank. Answer in one short sentence."
 PROMPTS = (

@@ -5,14 +5,30 @@ Every setting is documented in the README's configuration table; keep the two in
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 CEREBRAS_BASE_URL = "https://api.cerebras.ai/v1"
 CEREBRAS_GEMMA_MODEL = "gemma-4-31b"
+_E164 = re.compile(r"\+[1-9]\d{6,14}")  # as ivr.telephony.dialing (a room above this one)
+
+# Provider limits, seconds. A failing cloud provider must leave at most ~2 s of dead air after
+# the caller stops: 0.3 s endpoint silence + the stages before it at their usual speed + the
+# failing stage's limit, then a pre-synthesised apology (typical cloud latency in brackets):
+#   STT answer      1.5  [Whisper on Groq/OpenAI 0.2-0.8 s]  0.3 + 1.5             = 1.8 s
+#   LLM first token 1.2  [Cerebras 0.1-0.4, HF router 0.3-0.6] 0.3 + 0.4 + 1.2     = 1.9 s
+#   TTS first byte  1.0  [OpenAI tts-1 0.2-0.5 s]            0.3 + 0.4 + 0.3 + 1.0 = 2.0 s
+# Retries and fallbacks fit inside these same limits (ivr/providers_resilience.py). A stream
+# quiet for STALL (1.0 s; token and audio gaps are normally tens of ms) is dead: the caller has
+# heard what came before, and the apology follows within a second. Totals only stop runaways.
+# The offline engines share two CPU cores with everything else, so they keep generous limits.
+CLOUD_STT, LOCAL_STT = 1.5, 10.0
+CLOUD_LLM_FIRST_TOKEN, LOCAL_LLM_FIRST_TOKEN = 1.2, 5.0
+CLOUD_LLM_STALL, LOCAL_LLM_STALL = 1.0, 3.0
 
 
 class Settings(BaseSettings):
@@ -45,15 +61,25 @@ class Settings(BaseSettings):
     llm_model: str = CEREBRAS_GEMMA_MODEL
     llm_temperature: float = 0.3
     llm_max_tokens: int = 200
-    llm_first_token_timeout: float = 5.0
-    llm_timeout: float = 20.0
+    # None: the cloud or offline default above.
+    llm_first_token_timeout: float | None = Field(None, gt=0)
+    llm_stall_timeout: float | None = Field(None, gt=0)
+    llm_timeout: float = Field(20.0, gt=0)
+    # A second OpenAI-compatible endpoint tried when the first fails before answering.
+    llm_fallback_base_url: str = ""
+    llm_fallback_api_key: str = ""
+    llm_fallback_model: str = ""
+    """Empty: the primary's model name."""
 
     stt_provider: Literal["local", "openai"] = "local"
     stt_base_url: str = "https://api.openai.com/v1"
     stt_api_key: str = ""
     stt_model: str = "whisper-1"
     stt_language: str = "en"
-    stt_timeout: float = 10.0
+    stt_timeout: float | None = Field(None, gt=0)
+    stt_fallback_base_url: str = ""
+    stt_fallback_api_key: str = ""
+    stt_fallback_model: str = ""
 
     tts_provider: Literal["piper", "espeak", "openai"] = "piper"
     tts_base_url: str = "https://api.openai.com/v1"
@@ -61,7 +87,13 @@ class Settings(BaseSettings):
     tts_model: str = "tts-1"
     tts_voice: str = "alloy"
     tts_sample_rate: int = 24000
-    tts_timeout: float = 10.0
+    tts_first_byte_timeout: float = Field(1.0, gt=0)
+    tts_stall_timeout: float = Field(1.0, gt=0)
+    tts_timeout: float = Field(10.0, gt=0)
+    tts_fallback_base_url: str = ""
+    tts_fallback_api_key: str = ""
+    tts_fallback_model: str = ""
+    tts_fallback_voice: str = ""
 
     # Silero (neural) ignores hiss and comfort noise that WebRTC's GMM hears as speech for
     # seconds after a turn. "silero" runs it only when a permissive WebRTC gate hears something
@@ -78,13 +110,34 @@ class Settings(BaseSettings):
     redis_prefix: str = "ivr:"
     call_ttl_seconds: int = 86400
     resume_prompt: str = "Sorry, we had a brief technical problem. Let's continue."
+    # Longest a call waits on Redis for one operation, in ms (a healthy Redis answers in ~1 ms);
+    # past it the call goes on in degraded mode and the write is reconciled when Redis answers.
+    redis_budget_ms: int = Field(150, ge=10, le=10_000)
+    # Signs stream tokens so any instance checks them without Redis: the same on every instance.
+    # Empty: derived from TWILIO_AUTH_TOKEN.
+    stream_token_secret: str = ""
+
+    # Admission (README: Operations). Concurrent calls this instance carries; 0 = unlimited.
+    max_calls: int = Field(0, ge=0)
+    # Median event-loop lag over the last 2 s above this (ms) = overloaded; 0 = never.
+    max_loop_lag_ms: int = Field(100, ge=0)
+    # What a new call hears when this instance cannot take it: a busy <Reject>, a <Dial> to
+    # overflow_number, or a short apology and hang-up.
+    overflow: Literal["reject", "redirect", "apology"] = "apology"
+    overflow_number: str = ""
+    # On SIGTERM: seconds to let (or move) calls finish before the process exits anyway.
+    drain_seconds: float = Field(300.0, ge=0)
 
     flows_dir: str = "flows"
     admin_token: str = ""
+    # A second admin token: with it, ?pii=true shows a call's numbers and texts unmasked.
+    admin_pii_token: str = ""
     instance_id: str = ""
 
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
+    # Personal data in logs: off, `pii_*` values are redacted and phone/card numbers masked.
+    log_pii: bool = False
 
     @field_validator("public_url")
     @classmethod
@@ -97,12 +150,42 @@ class Settings(BaseSettings):
             )
         return value.rstrip("/")
 
+    @model_validator(mode="after")
+    def _overflow_has_a_number(self) -> Settings:
+        if self.overflow == "redirect" and not _E164.fullmatch(self.overflow_number):
+            raise ValueError(
+                "IVR_OVERFLOW=redirect needs IVR_OVERFLOW_NUMBER in E.164 form such as "
+                f"+14155550100, got {self.overflow_number!r}"
+            )
+        return self
+
     @property
     def public_ws_base(self) -> str:
         """The wss:// (or ws:// for plain http) base that Twilio connects the stream to."""
         parts = urlsplit(self.public_url)
         scheme = "wss" if parts.scheme == "https" else "ws"
         return f"{scheme}://{parts.netloc}{parts.path}"
+
+    @property
+    def stt_answer_timeout(self) -> float:
+        """IVR_STT_TIMEOUT, or the default for the configured engine."""
+        if self.stt_timeout is not None:
+            return self.stt_timeout
+        return CLOUD_STT if self.stt_provider == "openai" else LOCAL_STT
+
+    @property
+    def llm_first_token_limit(self) -> float:
+        """IVR_LLM_FIRST_TOKEN_TIMEOUT, or the default for a cloud or the offline model."""
+        if self.llm_first_token_timeout is not None:
+            return self.llm_first_token_timeout
+        return LOCAL_LLM_FIRST_TOKEN if self.use_local_llm else CLOUD_LLM_FIRST_TOKEN
+
+    @property
+    def llm_stall_limit(self) -> float:
+        """IVR_LLM_STALL_TIMEOUT, or the default for a cloud or the offline model."""
+        if self.llm_stall_timeout is not None:
+            return self.llm_stall_timeout
+        return LOCAL_LLM_STALL if self.use_local_llm else CLOUD_LLM_STALL
 
     @property
     def use_local_llm(self) -> bool:

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 import soxr
 
+from ivr.engines.espeak_tts import LocalEspeakTts, synthesize_pcm16
+from ivr.engines.piper_tts import LocalPiperTts, split_clauses
+from ivr.engines.whisper_stt import LocalWhisperStt
 from ivr.errors import ProviderError, ProviderTimeout
-from ivr.stt.whisper_local import LocalWhisperStt
-from ivr.tts.espeak_local import LocalEspeakTts, synthesize_pcm16
-from ivr.tts.piper_local import LocalPiperTts, split_clauses
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="module")]
 

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
-from ivr.llm.local_server import LocalLlmError, LocalLlmServer, available
+from ivr.engines.llm_server import LocalLlmError, LocalLlmServer, available
 
 pytestmark = [
     pytest.mark.engines,

@@ -19,7 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from ivr.audio.wav import wav_to_pcm16
-from ivr.errors import ProviderError, ProviderStatusError, ProviderTimeout
+from ivr.errors import ProviderError, ProviderErrorKind, ProviderStatusError, ProviderTimeout
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
 from ivr.llm.openai_compat import CHAT_TEMPLATE_NO_THINKING, REASONING_OFF, OpenAICompatLlm
 from ivr.stt.openai_http import OpenAIHttpStt
@@ -222,12 +222,13 @@ async def test_a_wrong_api_key_is_a_non_retryable_401(srv):
     assert "Incorrect API key" in str(info.value)
 
 
-async def test_no_server_listening_is_a_retryable_provider_error():
+async def test_no_server_listening_is_a_retryable_connect_error():
     url = f"http://127.0.0.1:{free_port()}/v1"
     llm = OpenAICompatLlm(base_url=url, api_key=KEY, model="m")
     with pytest.raises(ProviderError) as info:
         await collect(llm, USER)
-    assert info.value.retryable and "connection failed" in str(info.value)
+    assert info.value.kind is ProviderErrorKind.CONNECT and info.value.retryable
+    assert "cannot connect" in str(info.value)
 
 
 @pytest.mark.parametrize("extra", [REASONING_OFF, CHAT_TEMPLATE_NO_THINKING])
@@ -560,5 +561,6 @@ def test_thinking_is_switched_off_only_where_the_api_accepts_it() -> None:
         ("http://127.0.0.1:8000/v1", None),
     ]:
         llm = build_llm(settings, base_url=url, api_key="k", model="m")
-        params = llm.request_params([], tools=(), json_schema=None, max_tokens=None)  # type: ignore[attr-defined]
+        primary = llm.providers[0]  # type: ignore[attr-defined]
+        params = primary.request_params([], tools=(), json_schema=None, max_tokens=None)
         assert params.get("extra_body") == expected, url

@@ -14,26 +14,24 @@ instead. Cerebras rejects fields it does not know (HTTP 422), so never send both
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import openai
 from openai.types.chat import ChatCompletionChunk
 
-from ivr.errors import ProviderError, ProviderStatusError, ProviderTimeout
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
+from ivr.openai_calls import StageLimits, WaitClock, payload_error
 
 REASONING_OFF: Mapping[str, Any] = {"reasoning_effort": "none"}
 """Thinking off on Cerebras and the Hugging Face router (Gemma 4, GPT-OSS: minimum effort)."""
 CHAT_TEMPLATE_NO_THINKING: Mapping[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
 """Thinking off on self-hosted vLLM / SGLang / llama.cpp serving Gemma 4 or Qwen 3."""
 
-T = TypeVar("T")
 _SCHEMA_NAME = re.compile(r"[^a-zA-Z0-9_-]")
+_NOT_SSE = ("application/json", "text/html", "text/plain")
 
 
 @dataclass(slots=True)
@@ -47,7 +45,8 @@ class OpenAICompatLlm:
     """``LanguageModel`` over ``/v1/chat/completions`` with streaming.
 
     Iterate ``stream_chat`` inside ``contextlib.aclosing`` (or to the end): closing the
-    generator closes the HTTP stream, which stops generation on the server.
+    generator closes the HTTP stream, which stops generation on the server. Every failure is a
+    ``ProviderError``; no retries here (they are ``ivr.providers_resilience``'s decision).
     """
 
     def __init__(
@@ -59,8 +58,11 @@ class OpenAICompatLlm:
         name: str = "openai_compat",
         temperature: float | None = 0.3,
         max_tokens: int | None = 256,
+        # Lenient defaults for tools and tests on a busy machine; the gateway passes the
+        # IVR_LLM_* settings (ivr/providers.py), which keep dead air under 2 s.
         first_token_timeout: float = 3.0,
         total_timeout: float = 20.0,
+        stall_timeout: float = 5.0,
         connect_timeout: float = 3.0,
         extra_body: Mapping[str, Any] | None = None,
     ) -> None:
@@ -68,21 +70,28 @@ class OpenAICompatLlm:
         self.model = model
         self.temperature = temperature
         self.max_tokens = max_tokens
-        self.first_token_timeout = first_token_timeout
-        """Seconds from sending the request to the first text or tool-call delta."""
-        self.total_timeout = total_timeout
-        """Seconds spent waiting on the server for one reply, in all."""
+        self.limits = StageLimits(first_token_timeout, stall_timeout, total_timeout)
+        """Seconds from the request to the first text or tool-call delta; between later chunks;
+        waiting on the server for one reply in all."""
         self.extra_body = dict(extra_body) if extra_body else None
         """Provider-specific top-level fields merged into every request body."""
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
             api_key=api_key,
-            max_retries=0,  # retries are the caller's decision (ProviderError.retryable)
-            timeout=openai.Timeout(total_timeout, connect=connect_timeout),
+            max_retries=0,  # retries are ivr.providers_resilience's decision
+            # A backstop only: every wait is bounded (and named) by self.limits.
+            timeout=openai.Timeout(total_timeout + 1.0, connect=connect_timeout),
         )
         # The SDK imports its resource modules on first attribute access (~50 ms): do it now,
         # not inside the first caller turn on the event loop.
         _ = self._client.chat.completions
+
+    async def start(self) -> None:
+        """Nothing to launch: the model runs at the provider."""
+
+    @property
+    def first_token_timeout(self) -> float:
+        return self.limits.first
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -120,26 +129,34 @@ class OpenAICompatLlm:
         tools: Sequence[ToolSpec] = (),
         json_schema: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        first_output_limit: float | None = None,
     ) -> AsyncIterator[LlmEvent]:
+        """See ``LanguageModel.stream_chat``; ``first_output_limit`` replaces the first-token
+        timeout for this call."""
         params = self.request_params(
             messages, tools=tools, json_schema=json_schema, max_tokens=max_tokens
         )
-        clock = _WaitBudget(self.total_timeout)
+        limits = self.limits
+        if first_output_limit is not None:
+            limits = StageLimits(first_output_limit, limits.stall, limits.total)
+        clock = WaitClock(
+            self.name, limits, first_phase="first token", transport_timeout=limits.total + 1.0
+        )
         calls: dict[int, _ToolCallParts] = {}
-        stream = await self._call(clock.first(self.first_token_timeout), self._open(params))
+        stream = await clock.wait(self._open(params))
         try:
-            got_first = False
-            while True:
-                budget = clock.next() if got_first else clock.first(self.first_token_timeout)
-                chunk = await self._call(budget, _next_chunk(stream))
-                if chunk is None:
-                    break
-                texts, progressed = _absorb(chunk, calls)
-                got_first = got_first or progressed
+            received = 0
+            while (chunk := await clock.wait(_next_chunk(stream))) is not None:
+                received += 1
+                texts, progressed = _absorb(self.name, chunk, calls)
+                if progressed:
+                    clock.output_started()
                 for text in texts:
                     yield text
         finally:
             await stream.close()
+        if not received:
+            raise payload_error(self.name, "the stream ended without a single chunk")
         for call in _finish_tool_calls(self.name, calls):
             yield call
 
@@ -147,62 +164,11 @@ class OpenAICompatLlm:
         stream: openai.AsyncStream[
             ChatCompletionChunk
         ] = await self._client.chat.completions.create(**params)
+        kind = stream.response.headers.get("content-type", "")
+        if kind.startswith(_NOT_SSE):  # an error page or a JSON body served with status 200
+            await stream.close()
+            raise payload_error(self.name, f"{kind} instead of an event stream")
         return stream
-
-    async def _call(self, budget: _Budget, step: Awaitable[T]) -> T:
-        """Await ``step`` within ``budget``, mapping every failure to a ProviderError."""
-        try:
-            async with budget:
-                return await step
-        except TimeoutError as exc:
-            raise ProviderTimeout(self.name, budget.limit) from exc
-        except openai.APITimeoutError as exc:
-            raise ProviderTimeout(self.name, budget.limit) from exc
-        except openai.APIStatusError as exc:
-            raise ProviderStatusError(self.name, exc.status_code, _error_text(exc)) from exc
-        except openai.APIConnectionError as exc:
-            raise ProviderError(self.name, f"connection failed: {exc}", retryable=True) from exc
-        except (openai.APIError, ValueError) as exc:  # stream error event, malformed chunk
-            raise ProviderError(self.name, f"bad response: {exc}") from exc
-
-
-# ---- timing -----------------------------------------------------------------------------
-
-
-class _Budget:
-    """``asyncio.timeout`` for one await, charging the time it took to a shared clock."""
-
-    def __init__(self, clock: _WaitBudget, limit: float, seconds: float) -> None:
-        self._clock, self.limit, self._seconds = clock, limit, seconds
-
-    async def __aenter__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._started = self._loop.time()
-        self._timeout = asyncio.timeout(self._seconds)
-        await self._timeout.__aenter__()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self._clock.spent += self._loop.time() - self._started
-        await self._timeout.__aexit__(*exc)
-
-
-class _WaitBudget:
-    """Time spent waiting on the server. Time the consumer spends between events (speaking,
-    say) is not charged, and no timeout is armed while the generator is suspended."""
-
-    def __init__(self, total: float) -> None:
-        self.total = total
-        self.spent = 0.0
-
-    def first(self, first_token: float) -> _Budget:
-        left = self.total - self.spent
-        remaining_first = first_token - self.spent
-        if remaining_first <= left:
-            return _Budget(self, first_token, max(0.0, remaining_first))
-        return _Budget(self, self.total, max(0.0, left))
-
-    def next(self) -> _Budget:
-        return _Budget(self, self.total, max(0.0, self.total - self.spent))
 
 
 # ---- wire mapping -----------------------------------------------------------------------
@@ -244,20 +210,34 @@ async def _next_chunk(
 
 
 def _absorb(
-    chunk: ChatCompletionChunk, calls: dict[int, _ToolCallParts]
+    provider: str, chunk: ChatCompletionChunk, calls: dict[int, _ToolCallParts]
 ) -> tuple[list[TextDelta], bool]:
     """Text deltas of one chunk, and whether it carried any token (text or tool call).
 
     Tool-call pieces are collected into ``calls``. Reasoning deltas (``reasoning`` /
-    ``reasoning_content`` fields) are dropped: they must never be spoken.
+    ``reasoning_content`` fields) are dropped: they must never be spoken. The SDK does not
+    validate chunks, so a wrong shape (``"choices": null``, no ``delta``) is caught here.
     """
+    if not isinstance(getattr(chunk, "choices", None), list):
+        raise payload_error(provider, 'stream chunk without a "choices" list')
+    try:
+        return _absorb_choices(chunk, calls)
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        raise payload_error(provider, f"malformed stream chunk ({exc})") from exc
+
+
+def _absorb_choices(
+    chunk: ChatCompletionChunk, calls: dict[int, _ToolCallParts]
+) -> tuple[list[TextDelta], bool]:
     texts: list[TextDelta] = []
     progressed = False
     for choice in chunk.choices:
         if choice.index != 0:
             continue
-        if choice.delta.content:
-            texts.append(TextDelta(choice.delta.content))
+        if (content := choice.delta.content) is not None and not isinstance(content, str):
+            raise TypeError(f"delta.content is {type(content).__name__}, not a string")
+        if content:
+            texts.append(TextDelta(content))
         for piece in choice.delta.tool_calls or ():
             progressed = True
             parts = calls.setdefault(piece.index, _ToolCallParts())
@@ -274,17 +254,7 @@ def _finish_tool_calls(provider: str, calls: dict[int, _ToolCallParts]) -> list[
     for index in sorted(calls):
         parts = calls[index]
         if not parts.name:
-            raise ProviderError(provider, f"tool call #{index} arrived without a function name")
+            raise payload_error(provider, f"tool call #{index} arrived without a function name")
         arguments = "".join(parts.arguments) or "{}"  # some servers send "" for no arguments
         done.append(ToolCall(id=parts.id or f"call_{index}", name=parts.name, arguments=arguments))
     return done
-
-
-def _error_text(exc: openai.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, dict):
-        message = body.get("message") or body.get("error")
-        if message:
-            return str(message)
-        return json.dumps(body)[:500]
-    return exc.response.text[:500] if exc.response is not None else str(exc)

@@ -3,18 +3,19 @@ faster-whisper-server, vLLM ...): one finished utterance goes up as a WAV file, 
 
 from __future__ import annotations
 
-import asyncio
 import time
+from typing import Any
 
 import openai
 
 from ivr.audio.wav import pcm16_to_wav
-from ivr.errors import ProviderError, ProviderStatusError, ProviderTimeout
+from ivr.openai_calls import StageLimits, WaitClock, payload_error
 from ivr.stt.base import Transcript
 
 
 class OpenAIHttpStt:
-    """``SpeechToText`` over HTTP. No retries here: ``ProviderError.retryable`` tells the caller."""
+    """``SpeechToText`` over HTTP. Every failure is a ``ProviderError``; no retries here (they
+    are ``ivr.providers_resilience``'s decision)."""
 
     def __init__(
         self,
@@ -38,35 +39,48 @@ class OpenAIHttpStt:
         self.timeout = timeout
         """Seconds for the whole request, upload to answer."""
         self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout
-        )
+            base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout + 1.0
+        )  # the SDK's timeout is a backstop: ours (asyncio) fires first and says which limit
         _ = self._client.audio.transcriptions  # lazy SDK import, not on the first turn
+
+    async def warm(self) -> None:
+        """Nothing to load: the model runs at the provider."""
 
     async def aclose(self) -> None:
         await self._client.close()
 
-    async def transcribe(self, pcm16: bytes) -> Transcript:
+    async def transcribe(
+        self, pcm16: bytes, *, first_output_limit: float | None = None
+    ) -> Transcript:
+        """Transcribe ``pcm16``; ``first_output_limit`` replaces ``self.timeout`` for this call."""
         if len(pcm16) % 2:
             raise ValueError(f"{self.name}: PCM16 must hold whole samples; got {len(pcm16)} bytes")
         started = time.perf_counter()
         if not pcm16:
             return Transcript(text="", seconds=0.0)
         wav = pcm16_to_wav(pcm16, self.sample_rate)
-        try:
-            async with asyncio.timeout(self.timeout):
-                result = await self._client.audio.transcriptions.create(
-                    file=("utterance.wav", wav, "audio/wav"),
-                    model=self.model,
-                    response_format="json",
-                    language=self.language or openai.omit,
-                    prompt=self.prompt or openai.omit,
-                )
-        except (TimeoutError, openai.APITimeoutError) as exc:
-            raise ProviderTimeout(self.name, self.timeout) from exc
-        except openai.APIStatusError as exc:
-            raise ProviderStatusError(self.name, exc.status_code, exc.message) from exc
-        except openai.APIConnectionError as exc:
-            raise ProviderError(self.name, f"connection failed: {exc}", retryable=True) from exc
-        except (openai.APIError, ValueError) as exc:
-            raise ProviderError(self.name, f"bad response: {exc}") from exc
-        return Transcript(text=result.text.strip(), seconds=time.perf_counter() - started)
+        limit = self.timeout if first_output_limit is None else first_output_limit
+        clock = WaitClock(
+            self.name,
+            StageLimits(first=limit, stall=limit, total=limit),
+            first_phase="answer",
+            transport_timeout=self.timeout + 1.0,
+        )
+        result = await clock.wait(
+            self._client.audio.transcriptions.create(
+                file=("utterance.wav", wav, "audio/wav"),
+                model=self.model,
+                response_format="json",
+                language=self.language or openai.omit,
+                prompt=self.prompt or openai.omit,
+            )
+        )
+        return Transcript(text=self._text(result), seconds=time.perf_counter() - started)
+
+    def _text(self, result: Any) -> str:
+        # The SDK builds the answer without validating it: {"text": null} or {} get this far.
+        text = getattr(result, "text", None)
+        if not isinstance(text, str):
+            shown = type(text).__name__ if text is not None else "null or missing"
+            raise payload_error(self.name, f'"text" is {shown}, not a string')
+        return text.strip()

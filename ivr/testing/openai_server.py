@@ -7,6 +7,9 @@ the Hugging Face router, cloud STT and cloud TTS in tests, flow tests and benchm
 
 Endpoints: GET /v1/models, POST /v1/chat/completions (JSON and SSE),
 POST /v1/audio/transcriptions (multipart), POST /v1/audio/speech (streamed raw PCM16 24 kHz).
+``faults[endpoint] = Fault(...)`` breaks an endpoint the way production does, at the socket
+(TCP reset before the status line or mid-answer, a stall before any byte or after N chunks) or
+in the payload (HTTP 5xx, 429 with Retry-After, non-JSON, wrong shape, null fields).
 The server runs uvicorn on its own event loop in a background thread, so sync and async
 tests can both use it; handlers never block that loop (scripts run in worker threads).
 Run ``python -m ivr.testing.openai_server --port N`` for an echo assistant on a fixed port.
@@ -20,10 +23,12 @@ import collections
 import contextlib
 import signal
 import socket
+import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import uvicorn
 from starlette.applications import Starlette
@@ -31,6 +36,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.utils import get_remote_addr
 
 from ivr.audio.wav import wav_to_pcm16
 from ivr.testing.openai_wire import (
@@ -52,10 +59,41 @@ from ivr.testing.openai_wire import (
     openai_error,
     script_tokens,
     split_tokens,
+    sse_body,
     tool_call_deltas,
     unsupported_field,
     usage_for,
 )
+
+T = TypeVar("T")
+JSON_CHUNK_BYTES = 8
+"""A JSON answer broken by ``Fault.after_chunks`` goes out in pieces of this size."""
+
+
+@dataclass(slots=True)
+class _Connection:
+    transport: asyncio.Transport
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _tracking_protocol(connections: dict[tuple[str, int], _Connection]) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, registering each connection's transport by client address so a
+    fault can reset the very socket a request came in on (ASGI does not expose it)."""
+    base: Any = AutoHTTPProtocol
+
+    class Tracking(base):  # type: ignore[misc]
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._ivr_client = get_remote_addr(transport)
+            if self._ivr_client is not None:
+                connections[self._ivr_client] = _Connection(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if (conn := connections.pop(self._ivr_client, None)) is not None:  # type: ignore[arg-type]
+                conn.closed.set()
+            super().connection_lost(exc)
+
+    return Tracking
 
 
 class _Uvicorn(uvicorn.Server):
@@ -87,6 +125,8 @@ class FakeOpenAIServer:
         self._server: _Uvicorn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
+        self._connections: dict[tuple[str, int], _Connection] = {}
+        """Open connections by client address; touched only on the server's loop."""
 
     def reset(self) -> None:
         """Back to the default scripts with no faults and no recorded requests (the key and
@@ -125,7 +165,7 @@ class FakeOpenAIServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self._app(), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=2, http=_tracking_protocol(self._connections),
         )  # fmt: skip
         ready = threading.Event()
         self._server = _Uvicorn(config, ready)
@@ -250,26 +290,87 @@ class FakeOpenAIServer:
                     self.faults[endpoint] = replace(fault, times=fault.times - 1)
             return fault
 
-    async def _precheck(self, endpoint: str, request: Request) -> Response | None:
-        """Auth, then any injected fault; a response here ends the request."""
+    async def _precheck(
+        self, endpoint: str, request: Request, rec: RecordedRequest
+    ) -> Response | None:
+        """Auth, then any injected fault; a response here ends the request. A fault that breaks
+        the answer midway (``after_chunks``) is left on ``rec`` for the handler."""
         if self.api_key is not None:
             auth = request.headers.get("authorization", "")
             if auth != f"Bearer {self.api_key}":
                 shown = auth.removeprefix("Bearer ")[:6] or "(none)"
                 message = f"Incorrect API key provided: {shown}***."
                 return openai_error(401, message, code="invalid_api_key")
-        fault = self._take_fault(endpoint)
+        fault = rec.fault = self._take_fault(endpoint)
         if fault is None:
             return None
         await self._sleep(fault.delay)
+        if fault.drop:
+            await self._reset(request)
+            return Response(status_code=500)  # never sent: the connection is gone
         if fault.hang:
             await self._hang()
             return openai_error(503, "FakeOpenAIServer is shutting down")
         if fault.status is not None:
             if fault.body is not None:
-                return JSONResponse(fault.body, status_code=fault.status)
-            return openai_error(fault.status, f"Injected fault: HTTP {fault.status}")
+                return JSONResponse(fault.body, status_code=fault.status, headers=fault.headers)
+            message = f"Injected fault: HTTP {fault.status}"
+            return openai_error(fault.status, message, headers=fault.headers)
+        if fault.raw is not None:
+            return Response(fault.raw, headers=fault.headers, media_type=fault.content_type)
         return None
+
+    async def _reset(self, request: Request) -> None:
+        """Abort the request's TCP connection with an RST (SO_LINGER 0), as a crashed server or
+        proxy does, and wait until uvicorn has seen it go."""
+        client = request.scope.get("client")
+        conn = self._connections.get(tuple(client)) if client else None
+        if conn is None:
+            raise RuntimeError(f"FakeOpenAIServer: no open connection from {client}")
+        sock = conn.transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.transport.abort()
+        await conn.closed.wait()
+
+    async def _broken(
+        self, request: Request, rec: RecordedRequest, chunks: AsyncGenerator[T, None]
+    ) -> AsyncIterator[T]:
+        """``chunks``, cut after ``rec.fault.after_chunks`` by a reset or a stall."""
+        fault = rec.fault
+        limit = fault.after_chunks if fault is not None else None
+        async with contextlib.aclosing(chunks) as source:
+            sent = 0
+            async for chunk in source:
+                if sent == limit:
+                    break
+                yield chunk
+                sent += 1
+        if fault is None or limit is None:
+            return
+        # Chunks already written sit in the client's receive queue: it reads them before the RST.
+        if fault.then == "reset":
+            await self._reset(request)
+        else:
+            await self._hang()
+
+    def _answer(self, request: Request, rec: RecordedRequest, response: Response) -> Response:
+        """A complete JSON answer, sent in pieces and broken when ``rec.fault`` says so."""
+        fault = rec.fault
+        if fault is None or fault.after_chunks is None or response.status_code >= 400:
+            return self._finish(rec, response)
+        body = bytes(response.body)
+        pieces = [body[i : i + JSON_CHUNK_BYTES] for i in range(0, len(body), JSON_CHUNK_BYTES)]
+
+        async def send() -> AsyncGenerator[bytes, None]:
+            try:
+                for piece in pieces:
+                    yield piece
+            finally:
+                rec.outcome = "disconnected"
+                rec.finished.set()
+
+        stream = self._broken(request, rec, send())
+        return StreamingResponse(stream, response.status_code, media_type=response.media_type)
 
     @staticmethod
     def _finish(rec: RecordedRequest, response: Response, outcome: str = "completed") -> Response:
@@ -281,7 +382,7 @@ class FakeOpenAIServer:
 
     async def _models(self, request: Request) -> Response:
         rec = self._record("models", request)
-        if (early := await self._precheck("models", request)) is not None:
+        if (early := await self._precheck("models", request, rec)) is not None:
             return self._finish(rec, early)
         created = int(time.time())
         data = [
@@ -298,7 +399,7 @@ class FakeOpenAIServer:
             rec.json = await request.json()
         except ValueError as exc:
             return openai_error(400, f"Request body is not JSON: {exc}")
-        return await self._precheck(endpoint, request)
+        return await self._precheck(endpoint, request, rec)
 
     # ---- POST /v1/chat/completions ---------------------------------------------------
 
@@ -321,16 +422,16 @@ class FakeOpenAIServer:
                 return self._finish(rec, JSONResponse(script.error_body, script.status))
             return self._finish(rec, openai_error(script.status, f"Scripted HTTP {script.status}"))
         if body.get("stream"):
-            stream = self._chat_stream(body, script, rec)
+            stream = self._broken(request, rec, self._chat_stream(body, script, rec))
             return StreamingResponse(stream, media_type="text/event-stream")
         await self._sleep(script.first_token_delay)
         if script.hang:
             await self._hang()
-        return self._finish(rec, JSONResponse(completion_for(body, script)))
+        return self._answer(request, rec, JSONResponse(completion_for(body, script)))
 
     async def _chat_stream(
         self, body: JsonDict, script: ChatScript, rec: RecordedRequest
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         chunks = ChunkMaker(body)
         try:
             await self._sleep(script.first_token_delay)
@@ -369,14 +470,14 @@ class FakeOpenAIServer:
             if isinstance(upload, UploadFile):
                 rec.files["file"] = await upload.read()
                 rec.form["file.filename"] = upload.filename or ""
-        if (early := await self._precheck("transcriptions", request)) is not None:
+        if (early := await self._precheck("transcriptions", request, rec)) is not None:
             return self._finish(rec, early)
         if "file" not in rec.files or not rec.form.get("model"):
             return self._finish(rec, openai_error(400, "'file' and 'model' are required"))
         text = await asyncio.to_thread(self.transcribe, rec.files["file"], dict(rec.form))
         fmt = rec.form.get("response_format", "json")
         if fmt == "text":
-            return self._finish(rec, PlainTextResponse(text + "\n"))
+            return self._answer(request, rec, PlainTextResponse(text + "\n"))
         if fmt == "verbose_json":
             try:
                 duration = wav_to_pcm16(rec.files["file"]).seconds
@@ -387,8 +488,8 @@ class FakeOpenAIServer:
                 "language": rec.form.get("language", "english"),
             }
             verbose |= {"duration": duration, "text": text, "segments": []}
-            return self._finish(rec, JSONResponse(verbose))
-        return self._finish(rec, JSONResponse({"text": text}))
+            return self._answer(request, rec, JSONResponse(verbose))
+        return self._answer(request, rec, JSONResponse({"text": text}))
 
     # ---- POST /v1/audio/speech -------------------------------------------------------
 
@@ -403,9 +504,10 @@ class FakeOpenAIServer:
         if fmt != "pcm":
             return self._finish(rec, openai_error(400, f"fake speaks only pcm, not {fmt!r}"))
         pcm = await asyncio.to_thread(self.speak, text)
-        return StreamingResponse(self._speech_stream(pcm, rec), media_type="audio/pcm")
+        stream = self._broken(request, rec, self._speech_stream(pcm, rec))
+        return StreamingResponse(stream, media_type="audio/pcm")
 
-    async def _speech_stream(self, pcm: bytes, rec: RecordedRequest) -> AsyncIterator[bytes]:
+    async def _speech_stream(self, pcm: bytes, rec: RecordedRequest) -> AsyncGenerator[bytes, None]:
         step = max(1, self.speech_chunk_bytes)
         try:
             for offset in range(0, len(pcm), step):
@@ -460,4 +562,5 @@ __all__ = [
     "last_user_text",
     "openai_error",
     "split_tokens",
+    "sse_body",
 ]

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from starlette.responses import JSONResponse
@@ -56,13 +56,33 @@ class ChatScript:
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """Fault injected at one endpoint before it does its normal work."""
+    """What goes wrong at one endpoint, at the socket or the payload level. Faults act after the
+    API-key check, in this order: ``delay``, then the first of ``drop`` / ``hang`` / ``status`` /
+    ``raw`` that is set; ``after_chunks`` instead lets the real answer start, then breaks it.
+
+    A "chunk" is one SSE event (chat streams), one audio chunk (speech), or 8 bytes of a JSON
+    answer (transcriptions, chat without streaming), which is then sent chunked.
+    """
 
     status: int | None = None
+    """Answer with this HTTP error status (OpenAI error JSON unless ``body``)."""
     body: JsonDict | None = None
+    headers: Mapping[str, str] | None = None
+    """Extra headers on the ``status`` / ``raw`` response, e.g. ``{"Retry-After": "1"}``."""
     delay: float = 0.0
-    """Seconds before the first byte of the response."""
+    """Seconds before anything else happens (nothing is sent meanwhile)."""
     hang: bool = False
+    """Never send a byte, not even the status line (until the client leaves or the server stops)."""
+    drop: bool = False
+    """Reset the connection (TCP RST) before the status line."""
+    raw: bytes | None = None
+    """Answer HTTP 200 with exactly these bytes instead of the real answer (garbage payloads)."""
+    content_type: str = "application/json"
+    """Content type of ``raw``."""
+    after_chunks: int | None = None
+    """Send this many chunks of the real answer, then do ``then``."""
+    then: Literal["reset", "stall"] = "reset"
+    """``reset``: TCP RST mid-answer. ``stall``: keep the connection open and send nothing more."""
     times: int | None = None
     """How many requests it applies to; None means every request."""
 
@@ -80,6 +100,8 @@ class RecordedRequest:
     files: dict[str, bytes] = field(default_factory=dict)
     outcome: str = "pending"
     """pending | completed | disconnected | error"""
+    fault: Fault | None = None
+    """The fault this request got, if any."""
     finished: threading.Event = field(default_factory=threading.Event)
 
     def wait_finished(self, timeout: float) -> bool:
@@ -89,13 +111,23 @@ class RecordedRequest:
 ChatSource = ChatScript | Sequence[ChatScript] | Callable[[JsonDict], ChatScript]
 
 
-def openai_error(status: int, message: str, *, code: str | None = None) -> JSONResponse:
+def openai_error(
+    status: int, message: str, *, code: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     """An error response in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     if status == 429:
         kind, code = "requests", code or "rate_limit_exceeded"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def sse_body(*events: JsonDict | str, done: bool = True) -> bytes:
+    """A raw ``text/event-stream`` body: each event as one ``data:`` line (dicts as JSON, strings
+    as they are), then ``data: [DONE]``. For ``Fault(raw=...)`` streams the real server would
+    never send, e.g. a chunk with ``"choices": null``."""
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+    return "".join([*lines, "data: [DONE]\n\n" if done else ""]).encode()
 
 
 def split_tokens(text: str) -> list[str]:

@@ -5,7 +5,7 @@ Implements what the gateway's LLM client uses: `GET /v1/models` and
 max_tokens, seed and `response_format` (JSON schema -> grammar). Tools are ignored:
 a 135M model cannot call them reliably.
 
-Run: python -m ivr.llm.local_openai_app --model FILE.gguf [--port 0]
+Run: python -m ivr.engines.llm_app --model FILE.gguf [--port 0]
 It prints `LISTENING http://127.0.0.1:PORT` on stdout once the model is loaded.
 """
 
@@ -27,7 +27,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ivr.llm.llama_engine import (
+from ivr.engines.llama import (
     ChatTurn,
     EngineError,
     GenerationStats,

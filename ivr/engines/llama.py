@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ivr.llm import glibc_compat
+from ivr.engines import glibc_compat
 
 INSTALL_HINT = "pip install 'llama-cpp-py-sync==0.11739'"
 _GGML_LOG_WARN = 3

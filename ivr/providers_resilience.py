@@ -1,0 +1,299 @@
+"""Retries and fallback providers for the three seams, in one loop (``first_output``).
+
+A stage call (one transcription, one reply, one sentence of speech) tries the primary provider,
+retries it once on a retryable error, then tries each fallback, all before the first output
+(STT: the answer; LLM: the first event; TTS: the first audio bytes) is handed to the caller and
+within one budget, so the caller's wait stays bounded however many attempts it takes:
+
+    budget (e.g. TTS 1.0 s) ------------------------------------------------->|
+    primary: first try | retry (only if >= min_attempt left) |  fallback gets >= min_attempt
+
+Once output has been handed over nothing is retried: the caller has already heard (or queued)
+part of the answer, so the error goes to the caller as it is.
+
+Every failure is counted once: the ones this loop recovers from here (when it starts the next
+attempt), the one it gives up with by the caller that handles it (``count_provider_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import structlog
+
+from ivr.errors import ProviderError, ProviderStatusError
+from ivr.llm.base import ChatMessage, LlmEvent, ToolSpec
+from ivr.obs.metrics import count_provider_error
+from ivr.stt.base import Transcript
+
+log = structlog.get_logger("ivr.providers")
+
+T = TypeVar("T")
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+P = TypeVar("P", bound=_Named)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    budget: float
+    """Seconds the caller may wait for the first output, all attempts and fallbacks included."""
+    min_attempt: float
+    """No retry starts with less time than this (a fallback: half of it); while the budget
+    allows, the primary leaves this much for each fallback."""
+    retries: int = 1
+    """Extra tries of one provider, for retryable errors only."""
+
+    def __post_init__(self) -> None:
+        if self.budget <= 0 or self.min_attempt <= 0 or self.retries < 0:
+            raise ValueError(f"RetryPolicy needs positive times and retries >= 0: {self}")
+
+    def reserve(self, later: int) -> float:
+        """Time a provider leaves for the ``later`` fallbacks after it."""
+        held = self.min_attempt * later
+        return held if self.budget - held >= self.min_attempt else 0.0
+
+
+async def first_output(
+    stage: str,
+    providers: Sequence[P],
+    start: Callable[[P, float], AsyncIterator[T]],
+    policy: RetryPolicy,
+) -> AsyncIterator[T]:
+    """What the first provider that gets going yields; ``start(provider, limit)`` begins one
+    attempt whose first output must come within ``limit`` seconds (the adapter enforces it).
+
+    Raises the last ProviderError when no attempt produced output (not counted here: the
+    caller handles, and counts, it), or any error after the first output, as it is.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + policy.budget
+    pending: ProviderError | None = None  # the failure the next attempt recovers from
+    for index, provider in enumerate(providers):
+        reserve = policy.reserve(len(providers) - 1 - index)
+        tries = 0
+        while True:
+            wait = _retry_wait(pending, tries, policy) if tries else 0.0
+            limit = deadline - reserve - loop.time() - wait
+            # A retry needs min_attempt; a fallback gets what is left of the time reserved for
+            # it (the primary's timeout and our own overhead ate a few ms of it).
+            needed = policy.min_attempt if tries else policy.min_attempt / 2
+            if pending is not None and (wait < 0 or limit < needed):
+                break  # not retryable, or no time left for it: on to the next provider
+            if pending is not None:
+                _recovering(stage, pending, provider.name, deadline - policy.budget, loop.time())
+                pending = None
+                await asyncio.sleep(wait)
+            attempt = start(provider, limit)
+            try:
+                first = await anext(attempt)
+            except StopAsyncIteration:
+                return  # done without output (nothing to say): not a failure
+            except ProviderError as exc:
+                await _aclose(attempt)
+                pending, tries = exc, tries + 1
+                continue
+            try:
+                yield first
+                async for item in attempt:
+                    yield item
+            finally:
+                await _aclose(attempt)
+            return
+    assert pending is not None, "first_output needs at least one provider"
+    raise pending
+
+
+def _retry_wait(error: ProviderError | None, tries: int, policy: RetryPolicy) -> float:
+    """Seconds to wait before retrying the same provider; negative means do not retry."""
+    if error is None or not error.retryable or tries > policy.retries:
+        return -1.0
+    if isinstance(error, ProviderStatusError) and error.retry_after is not None:
+        return error.retry_after
+    return 0.0
+
+
+def _recovering(
+    stage: str, error: ProviderError, next_provider: str, started: float, now: float
+) -> None:
+    count_provider_error(stage, error.provider, error)
+    event = "provider.retry" if next_provider == error.provider else "provider.fallback"
+    log.warning(
+        event,
+        stage=stage,
+        provider=error.provider,
+        kind=error.kind.value,
+        error=str(error),
+        next_provider=next_provider,
+        elapsed_s=round(now - started, 3),
+    )
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+# ---- the seams, wrapped ---------------------------------------------------------------------
+
+
+class TimedSpeechToText(Protocol):
+    """A ``SpeechToText`` that takes a per-call limit (``OpenAIHttpStt``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def sample_rate(self) -> int: ...
+    async def transcribe(
+        self, pcm16: bytes, *, first_output_limit: float | None = None
+    ) -> Transcript: ...
+    async def warm(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class TimedTextToSpeech(Protocol):
+    """A ``TextToSpeech`` that takes a per-call first-byte limit (``OpenAIHttpTts``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def sample_rate(self) -> int: ...
+    @property
+    def voice(self) -> str: ...
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]: ...
+    async def warm(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class TimedLanguageModel(Protocol):
+    """A ``LanguageModel`` that takes a per-call first-token limit (``OpenAICompatLlm``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        json_schema: dict[str, Any] | None = None,
+        max_tokens: int | None = None,
+        first_output_limit: float | None = None,
+    ) -> AsyncIterator[LlmEvent]: ...
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+def _check(stage: str, providers: Sequence[Any], same: str | None = None) -> None:
+    if not providers:
+        raise ValueError(f"{stage}: at least one provider is needed")
+    # The caller resamples by the wrapper's rate, so a fallback at another rate would be garbled.
+    if same is not None and len(values := {getattr(p, same) for p in providers}) > 1:
+        raise ValueError(f"{stage}: every provider must have the same {same}, got {values}")
+
+
+class ResilientStt:
+    """``SpeechToText``: the primary, then the fallbacks, with retries, within one budget."""
+
+    def __init__(self, providers: Sequence[TimedSpeechToText], policy: RetryPolicy) -> None:
+        _check("stt", providers, "sample_rate")
+        self.providers = tuple(providers)
+        self.policy = policy
+        self.name = providers[0].name
+        self.sample_rate = providers[0].sample_rate
+
+    async def transcribe(self, pcm16: bytes) -> Transcript:
+        async def attempt(stt: TimedSpeechToText, limit: float) -> AsyncIterator[Transcript]:
+            yield await stt.transcribe(pcm16, first_output_limit=limit)
+
+        answers = first_output("stt", self.providers, attempt, self.policy)
+        try:
+            return await anext(answers)
+        finally:
+            await _aclose(answers)
+
+    async def warm(self) -> None:
+        for provider in self.providers:
+            await provider.warm()
+
+    async def aclose(self) -> None:
+        for provider in self.providers:
+            await provider.aclose()
+
+
+class ResilientTts:
+    """``TextToSpeech``: the primary, then the fallbacks, with retries, until the first audio
+    byte; never a retry after it (the caller may already be hearing the sentence)."""
+
+    def __init__(self, providers: Sequence[TimedTextToSpeech], policy: RetryPolicy) -> None:
+        _check("tts", providers, "sample_rate")
+        self.providers = tuple(providers)
+        self.policy = policy
+        self.name = providers[0].name
+        self.sample_rate = providers[0].sample_rate
+        self.voice = providers[0].voice
+
+    def synthesize(self, text: str) -> AsyncIterator[bytes]:
+        def attempt(tts: TimedTextToSpeech, limit: float) -> AsyncIterator[bytes]:
+            return tts.synthesize(text, first_output_limit=limit)
+
+        return first_output("tts", self.providers, attempt, self.policy)
+
+    async def warm(self) -> None:
+        for provider in self.providers:
+            await provider.warm()
+
+    async def aclose(self) -> None:
+        for provider in self.providers:
+            await provider.aclose()
+
+
+class ResilientLlm:
+    """``LanguageModel``: the primary, then the fallbacks, with retries, until the first event;
+    never a retry after it."""
+
+    def __init__(self, providers: Sequence[TimedLanguageModel], policy: RetryPolicy) -> None:
+        _check("llm", providers)
+        self.providers = tuple(providers)
+        self.policy = policy
+        self.name = providers[0].name
+        self.model = providers[0].model
+
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        json_schema: dict[str, Any] | None = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[LlmEvent]:
+        def attempt(llm: TimedLanguageModel, limit: float) -> AsyncIterator[LlmEvent]:
+            return llm.stream_chat(
+                messages,
+                tools=tools,
+                json_schema=json_schema,
+                max_tokens=max_tokens,
+                first_output_limit=limit,
+            )
+
+        return first_output("llm", self.providers, attempt, self.policy)
+
+    async def start(self) -> None:
+        for provider in self.providers:
+            await provider.start()
+
+    async def aclose(self) -> None:
+        for provider in self.providers:
+            await provider.aclose()

@@ -21,13 +21,12 @@ from structlog.testing import capture_logs
 
 from ivr.call.io import ListenSpec
 from ivr.config import Settings
-from ivr.conversation import attach_flows
-from ivr.flows.loader import FlowLoadError
 from ivr.flows.model import AgentNode
+from ivr.flows.problems import FlowLoadError
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.sources import load_flow_from_sources
-from ivr.flows.textio import CallerTurn, TextCallIO, pressed
-from ivr.gateway import Gateway
+from ivr.flowtools.textio import CallerTurn, TextCallIO, pressed
+from ivr.gateway import Gateway, build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.state.base import CallRecord, CallStatus
 from ivr.state.redis_store import RedisCallStore
@@ -105,14 +104,12 @@ async def instance(prefix: str) -> AsyncIterator[Callable[[Path], Any]]:
     async def start(flows_dir: Path) -> AsyncIterator[Gateway]:
         settings = Settings(flows_dir=str(flows_dir), redis_url=LOCAL_REDIS_URL,
                             redis_prefix=prefix, llm_api_key="sk-test")  # fmt: skip
-        store = ResilientCallStore(RedisCallStore(LOCAL_REDIS_URL, prefix=prefix))
-        gateway = Gateway(
-            settings, store=store,
+        gateway = build_gateway(
+            settings,
             stt=OpenAIHttpStt(base_url=UNUSED, api_key="sk-test"),
             tts=OpenAIHttpTts(base_url=UNUSED, api_key="sk-test"),
             llm=OpenAICompatLlm(base_url=UNUSED, api_key="sk-test", model="m"),
-        )  # fmt: skip
-        attach_flows(gateway)
+        )
         made.append(gateway)
         yield gateway
 
@@ -125,17 +122,15 @@ async def start_call(gateway: Gateway, sid: str = "CA-pin") -> CallRecord:
     """What the webhook does: pin the flow, store the call; then a stream takes it."""
     record = CallRecord(call_sid=sid, to_number=NUMBER, from_number="+15559999",
                         stream_sid="MZ-1", status=CallStatus.ACTIVE)  # fmt: skip
-    assert gateway.pin_flow is not None
-    await gateway.pin_flow(record)
+    await gateway.flows.pin(record)
     return await gateway.store.create(record)
 
 
 async def run_until_death(gateway: Gateway, record: CallRecord) -> TextCallIO:
     """The call runs on ``gateway`` until it first waits for the caller; the instance dies."""
     io = TextCallIO(on_listen=die_on_listen)
-    assert gateway.conversation is not None
     with pytest.raises(InstanceDied):
-        await gateway.conversation(io, record)
+        await gateway.flows.run(io, record)
     return io
 
 
@@ -143,8 +138,7 @@ async def resume(gateway: Gateway, call_sid: str, turns: list[CallerTurn]) -> Te
     """A new stream for the call on ``gateway``: it loads the record and runs the flow."""
     record = await gateway.store.update(call_sid, lambda r: setattr(r, "stream_sid", "MZ-2"))
     io = TextCallIO.scripted(turns)
-    assert gateway.conversation is not None
-    await gateway.conversation(io, record)
+    await gateway.flows.run(io, record)
     return io
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def flows_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ivr.flows.cli", *args],
+        [sys.executable, "-m", "ivr.flowtools.cli", *args],
         cwd=cwd, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -240,6 +240,16 @@ def test_a_resumed_call_apologises_and_asks_the_current_question_again() -> None
     assert isinstance(actions[-1], Listen) and state.node == "account"
 
 
+def test_a_resumed_call_apologises_with_the_gateway_prompt_when_the_flow_sets_none() -> None:
+    quiet = FLOW.model_copy(update={"resume_prompt": None})
+    state, _ = run(quiet, start(), CallerPressed("1"))
+    _, actions = run(quiet, state, Resumed("One moment, we are back."))
+    assert says(actions) == ["One moment, we are back.", "Your account number?"]
+    # The flow's own apology wins over the gateway's.
+    _, actions = run(FLOW, state, Resumed("One moment, we are back."))
+    assert says(actions)[0] == "Sorry, we were cut off."
+
+
 def test_the_caller_hanging_up_ends_the_flow_and_later_events_are_ignored() -> None:
     state, actions = run(FLOW, start(), CallerHungUp())
     assert actions == [] and state.outcome == "caller_hangup"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ivr.flows.loader import FlowLoadError, Problem, check_flow_text, load_flow, load_flow_text
+from ivr.flows.loader import check_flow_text, load_flow, load_flow_text
+from ivr.flows.problems import FlowLoadError, Problem
 
 FLOWS = Path(__file__).resolve().parent.parent / "flows"
 

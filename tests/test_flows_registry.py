@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from ivr.flows.loader import FlowLoadError, Problem
+from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.registry import FlowRegistry
 
 FLOWS = Path(__file__).resolve().parent.parent / "flows"

@@ -30,11 +30,12 @@ from ivr.flows.events import (
     ToolCallEvent,
     Transfer,
 )
-from ivr.flows.loader import FlowLoadError, Problem, load_flow_text
+from ivr.flows.loader import load_flow_text
 from ivr.flows.model import Flow
+from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.runner import FlowRunner
-from ivr.flows.textio import TextCallIO, said
+from ivr.flowtools.textio import TextCallIO, said
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
 

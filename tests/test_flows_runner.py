@@ -12,8 +12,8 @@ import pytest
 from ivr.flows.events import FlowState
 from ivr.flows.loader import load_flow_text
 from ivr.flows.runner import FlowRunner
-from ivr.flows.testing import BackendRoute, LocalJsonServer
-from ivr.flows.textio import CallerTurn, TextCallIO, hangs_up, pressed, said, silent
+from ivr.flowtools.testing import BackendRoute, LocalJsonServer
+from ivr.flowtools.textio import CallerTurn, TextCallIO, hangs_up, pressed, said, silent
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, ScriptToolCall
 
@@ -272,6 +272,26 @@ async def test_a_call_resumes_from_a_saved_state_with_an_apology_and_the_questio
     io = TextCallIO.scripted([hangs_up()])
     await FlowRunner(flow, io, None, http).run(state)
     assert io.bot_lines == ["Sorry, we were cut off.", "Order number?"]
+
+
+async def test_a_resumed_call_of_a_flow_without_an_apology_gets_the_gateway_one(
+    http: httpx.AsyncClient,
+) -> None:
+    saved: list[str] = []
+
+    async def persist(state: FlowState) -> None:
+        saved.append(state.model_dump_json())
+
+    assert HTTP_FLOW.resume_prompt is None
+    gateway_prompt = "Sorry, we had a brief technical problem."
+    first = TextCallIO.scripted([silent(), hangs_up()])
+    await FlowRunner(HTTP_FLOW, first, None, http, persist, resume_prompt=gateway_prompt).run()
+    assert gateway_prompt not in first.bot_lines  # said only when a call resumes
+    state = FlowState.model_validate_json(saved[1])
+    io = TextCallIO.scripted([hangs_up()])
+    await FlowRunner(HTTP_FLOW, io, None, http, persist, resume_prompt=gateway_prompt).run(state)
+    assert io.bot_lines == [gateway_prompt, "Order number?"]
+    assert not any(gateway_prompt in s for s in saved)  # configuration, not part of the call
 
 
 async def test_slots_are_extracted_with_structured_output(

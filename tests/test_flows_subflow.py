@@ -20,10 +20,11 @@ from ivr.flows.events import (
     Resumed,
     Say,
 )
-from ivr.flows.graph import to_dot, to_mermaid
-from ivr.flows.loader import FlowLoadError, Problem, load_flow
+from ivr.flows.loader import load_flow
 from ivr.flows.model import Flow
+from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.registry import FlowRegistry
+from ivr.flowtools.graph import to_dot, to_mermaid
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,7 +235,7 @@ def test_validate_reports_sub_flow_problems_and_warns_about_unused_return_nodes(
 ) -> None:
     write(tmp_path, parent=PARENT.replace("flow: child", "flow: chlid"), child=CHILD)
     result = subprocess.run(
-        [sys.executable, "-m", "ivr.flows.cli", "validate", str(tmp_path)],
+        [sys.executable, "-m", "ivr.flowtools.cli", "validate", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1, result.stdout
@@ -304,7 +305,7 @@ def test_conversation_tests_run_through_the_sub_flow_and_report_its_nodes(
     )
     (tmp_path / "tests" / "wrong_test.yaml").write_text(wrong)
     result = subprocess.run(
-        [sys.executable, "-m", "ivr.flows.cli", "test", str(tmp_path)],
+        [sys.executable, "-m", "ivr.flowtools.cli", "test", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     out = result.stdout

@@ -7,10 +7,9 @@ apologises and listens instead of looping.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import json
+from typing import Any, Protocol
 
-from ivr.call.io import ListenSpec
 from ivr.flows import argcheck, matching
 from ivr.flows.events import (
     AgentTurn,
@@ -20,14 +19,14 @@ from ivr.flows.events import (
     FlowAction,
     FlowState,
     HistoryItem,
-    HttpRequest,
     HttpResult,
     Listen,
     LlmReplied,
     ToolCallData,
 )
-from ivr.flows.model import AgentNode, AgentTool, AskNode, Flow, HttpCall, MenuNode
+from ivr.flows.model import AgentNode, AgentTool, Flow
 from ivr.flows.template import render_value
+from ivr.flows.waits import as_result, listen_spec, read_answer, resend, send, waiting_request
 from ivr.llm.base import ChatMessage, ToolCall, ToolSpec
 
 MAX_TOOL_ROUNDS = 4
@@ -40,47 +39,57 @@ MAX_CALLS_PER_REPLY = 8
 """Tool calls run from one reply; the rest are answered "not run"."""
 
 
+class StepContext(Protocol):
+    """What the agent steps use of the engine step they run in."""
+
+    @property
+    def flow(self) -> Flow:
+        """The flow running now (a sub-flow call or return changes it within a step)."""
+
+    @property
+    def state(self) -> FlowState: ...
+
+    @property
+    def actions(self) -> list[FlowAction]:
+        """The step's actions so far; the agent appends its own."""
+
+    def say(self, text: str | None, interruptible: bool = True) -> None: ...
+
+    def goto(self, target: str) -> None: ...
+
+    def render(self, text: str) -> str: ...
+
+    def scope(self) -> dict[str, Any]: ...
+
+
 class AgentSteps:
-    flow: Flow
-    state: FlowState
-    actions: list[FlowAction]
+    """The steps of an agent node within one engine step (``ctx``)."""
 
-    # Provided by the engine's step class, which mixes this in.
-    def say(self, text: str | None, interruptible: bool = True) -> None:
-        raise NotImplementedError
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
 
-    def goto(self, target: str) -> None:
-        raise NotImplementedError
+    @property
+    def flow(self) -> Flow:
+        return self.ctx.flow
 
-    def render(self, text: str) -> str:
-        raise NotImplementedError
-
-    def scope(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def listen_spec(self, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
-        raise NotImplementedError
-
-    def http_request(self, call: HttpCall, variables: Mapping[str, Any]) -> HttpRequest:
-        raise NotImplementedError
-
-    def map_answer(self, call: HttpCall, answer: Any) -> str | None:
-        raise NotImplementedError
+    @property
+    def state(self) -> FlowState:
+        return self.ctx.state
 
     # ------------------------------------------------------------ entering and listening
 
-    def _agent(self) -> AgentNode:
+    def _node(self) -> AgentNode:
         node = self.flow.nodes[self.state.node]
         assert isinstance(node, AgentNode)
         return node
 
-    def enter_agent(self, node: AgentNode) -> None:
+    def enter(self, node: AgentNode) -> None:
         self.state.agent_turns = 0
         if node.history == "reset":
             self.state.history = []
         if node.greeting:
-            greeting = self.render(node.greeting)
-            self.say(greeting, node.interruptible)
+            greeting = self.ctx.render(node.greeting)
+            self.ctx.say(greeting, node.interruptible)
             self.state.history.append(HistoryItem(role="assistant", content=greeting))
         if node.respond_immediately and any(m.role == "user" for m in self.state.history):
             # The round count carries over handoffs: agents that hand off to each other
@@ -88,16 +97,16 @@ class AgentSteps:
             if self.state.tool_rounds < MAX_TOOL_ROUNDS:
                 self._ask_model(node)
             else:
-                self.say(self.flow.defaults.error_prompt)
-                self.listen_agent(node)
+                self.ctx.say(self.flow.defaults.error_prompt)
+                self._listen(node)
         else:
-            self.listen_agent(node)
+            self._listen(node)
 
-    def listen_agent(self, node: AgentNode) -> None:
-        self.actions.append(Listen(self.listen_spec(node)))
+    def _listen(self, node: AgentNode) -> None:
+        self.ctx.actions.append(Listen(listen_spec(self.flow, node)))
         self.state.waiting = "input"
 
-    def agent_input(
+    def caller_input(
         self, node: AgentNode, event: CallerSaid | CallerPressed | CallerSilent
     ) -> None:
         if isinstance(event, CallerPressed):
@@ -105,7 +114,7 @@ class AgentSteps:
         elif isinstance(event, CallerSaid) and event.text.strip():
             text = event.text.strip()
         else:
-            self._agent_no_input(node)
+            self._no_input(node)
             return
         self.state.attempts = 0
         self.state.vars["last_input"] = text
@@ -123,36 +132,36 @@ class AgentSteps:
             while history and history[0].role != "user":
                 del history[0]
 
-    def _agent_no_input(self, node: AgentNode) -> None:
+    def _no_input(self, node: AgentNode) -> None:
         self.state.attempts += 1
         if self.state.attempts > node.max_no_input:
-            self.goto(node.on_no_input)
+            self.ctx.goto(node.on_no_input)
             return
-        self.say(node.no_input_prompt or self.flow.defaults.no_input_prompt)
-        self.listen_agent(node)
+        self.ctx.say(node.no_input_prompt or self.flow.defaults.no_input_prompt)
+        self._listen(node)
 
     def _ask_model(self, node: AgentNode) -> None:
-        system = self.render(node.system)
+        system = self.ctx.render(node.system)
         if node.knowledge_text:
             system += "\n\n# Reference information\n\n" + node.knowledge_text
         messages = (ChatMessage("system", system), *(_chat(m) for m in self.state.history))
         tools = tuple(ToolSpec(t.name, t.description, t.parameters) for t in node.tools)
-        self.actions.append(AgentTurn(messages, tools, node.interruptible, node.max_tokens))
+        self.ctx.actions.append(AgentTurn(messages, tools, node.interruptible, node.max_tokens))
         self.state.tool_rounds += 1
         self.state.waiting = "agent"
 
     # ------------------------------------------------------------ model replies
 
-    def agent_replied(self, event: LlmReplied) -> None:
-        node = self._agent()
+    def replied(self, event: LlmReplied) -> None:
+        node = self._node()
         if event.error is not None:
             if event.text_heard:  # the caller heard part of the reply; the model must know
                 self.state.history.append(HistoryItem(role="assistant", content=event.text_heard))
-            self.say(self.flow.defaults.error_prompt)
+            self.ctx.say(self.flow.defaults.error_prompt)
             if node.on_error is not None:
-                self.goto(node.on_error)
+                self.ctx.goto(node.on_error)
             else:
-                self.listen_agent(node)
+                self._listen(node)
             return
         # An interrupted reply keeps only what was heard and drops its tool calls: the caller
         # cut in, so the next turn starts from what they say.
@@ -178,14 +187,14 @@ class AgentSteps:
     def _turn_done(self, node: AgentNode) -> None:
         self.state.agent_turns += 1
         for case in node.exit_when:
-            if matching.all_hold(case.conditions, self.scope()):
-                self.goto(case.next)
+            if matching.all_hold(case.conditions, self.ctx.scope()):
+                self.ctx.goto(case.next)
                 return
         if node.max_turns is not None and self.state.agent_turns >= node.max_turns:
             assert node.on_max_turns is not None
-            self.goto(node.on_max_turns)
+            self.ctx.goto(node.on_max_turns)
             return
-        self.listen_agent(node)
+        self._listen(node)
 
     def _run_pending_tools(self, node: AgentNode) -> None:
         tools = {t.name: t for t in node.tools}
@@ -201,10 +210,10 @@ class AgentSteps:
             if problems:
                 self._tool_error(call, "invalid arguments: " + "; ".join(problems))
                 continue
-            scope = {**self.scope(), "args": args}
+            scope = {**self.ctx.scope(), "args": args}
             self.state.vars.update(render_value(tool.set, scope))
             if tool.http is not None:
-                self.actions.append(self.http_request(tool.http, scope))
+                self.ctx.actions.append(send(self.state, tool.http, scope, call.id))
                 self.state.pending_answer = call.id
                 self.state.waiting = "tool_http"
                 return
@@ -228,26 +237,27 @@ class AgentSteps:
             self._tool_result(rest.id, "not run: the conversation moved on")
         self.state.pending_tools = []
         assert tool.next is not None
-        self.goto(tool.next)
+        self.ctx.goto(tool.next)
 
     def _after_tools(self, node: AgentNode) -> None:
         gave_up = self.state.tool_errors > MAX_TOOL_ERRORS
         if gave_up or self.state.tool_rounds >= MAX_TOOL_ROUNDS:
-            self.say(self.flow.defaults.error_prompt)
+            self.ctx.say(self.flow.defaults.error_prompt)
             self._turn_done(node)
         else:
             self._ask_model(node)
 
     def tool_http_result(self, event: HttpResult) -> None:
-        node = self._agent()
+        node = self._node()
         call_id = self.state.pending_answer or ""
         self.state.pending_answer = None
+        self.state.request = None  # answered: its outcome goes into the history now
         tool = self._pending_http_tool(node, call_id)
         if tool is None or tool.http is None:  # e.g. the flow changed under a resumed call
             self._tool_result(call_id, "ERROR: the tool is no longer available")
             self._run_pending_tools(node)
             return
-        error = event.error if not event.ok else self.map_answer(tool.http, event.json)
+        error = read_answer(tool.http, event, self.state.vars)
         if error:
             self._tool_result(call_id, f"ERROR: the request failed ({error})")
         else:
@@ -266,17 +276,53 @@ class AgentSteps:
                     return http_tools[call.name]
         return None
 
-    def resume_agent(self, node: AgentNode) -> None:
-        """After a lost instance: answer the caller's last words if the reply was lost too."""
-        self.repair_history()
+    def resume(self, node: AgentNode) -> None:
+        """After a lost instance: finish a keyed tool request the call waited for; else answer
+        the caller's last words if the reply was lost too."""
+        if self._resume_tool_http(node):
+            return
+        self._repair_history()
         if self.state.history and self.state.history[-1].role == "user":
             self.state.tool_rounds = 0
             self.state.tool_errors = 0
             self._ask_model(node)
         else:
-            self.listen_agent(node)
+            self._listen(node)
 
-    def repair_history(self) -> None:
+    def _resume_tool_http(self, node: AgentNode) -> bool:
+        """Take the kept answer of the tool request the call waited for, or send it again with
+        its key. Asking the model again instead would make a new tool call: a new key."""
+        sent = self.state.request
+        if self.state.waiting != "tool_http" or sent is None or sent.tool_call is None:
+            return False
+        call_id = sent.tool_call
+        if waiting_request(self.state, call_id) is None:
+            return False
+        # The record's copy of ``pending_answer`` may be masked; the request's id is not.
+        self.state.pending_answer = call_id
+        if sent.answer is not None:
+            self.tool_http_result(as_result(sent.answer))
+            return True
+        tool = self._pending_http_tool(node, call_id)
+        call = self._call_in_history(call_id, tool.name) if tool else None
+        if tool is None or tool.http is None or call is None:
+            return False  # the flow changed under the resumed call
+        args, problems = argcheck.parse_arguments(call.arguments, tool.parameters)
+        if problems:
+            return False
+        scope = {**self.ctx.scope(), "args": args}
+        self.ctx.actions.append(resend(self.state, tool.http, scope))
+        return True
+
+    def _call_in_history(self, call_id: str, name: str) -> ToolCallData | None:
+        """The newest call of tool ``name`` with this id."""
+        for item in reversed(self.state.history):
+            for call in item.tool_calls:
+                if call.id == call_id and call.name == name:
+                    return call
+        return None
+
+    def _repair_history(self) -> None:
         """Drop a trailing tool-call message whose results were lost when the instance died."""
         answered = {m.tool_call_id for m in self.state.history if m.role == "tool"}
         for i in range(len(self.state.history) - 1, -1, -1):
@@ -294,6 +340,4 @@ def _chat(item: HistoryItem) -> ChatMessage:
 
 
 def _json_text(value: Any) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)[:4000]

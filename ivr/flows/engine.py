@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ivr.call.io import ListenSpec
+from ivr import phrases
 from ivr.errors import FlowError
 from ivr.flows import argcheck, matching
 from ivr.flows.agent import AgentSteps
@@ -32,7 +32,6 @@ from ivr.flows.events import (
     FlowState,
     Frame,
     Hangup,
-    HttpRequest,
     HttpResult,
     IntentClassified,
     IntentOption,
@@ -50,7 +49,6 @@ from ivr.flows.model import (
     Flow,
     GotoNode,
     HangupNode,
-    HttpCall,
     HttpNode,
     MenuNode,
     ReturnNode,
@@ -59,14 +57,12 @@ from ivr.flows.model import (
     SubflowNode,
     TransferNode,
 )
-from ivr.flows.template import lookup, render, render_url, render_value
-from ivr.telephony.twilio import E164, TRANSFER_FAILED_PROMPT
+from ivr.flows.template import lookup, render, render_value
+from ivr.flows.waits import as_result, listen_spec, read_answer, resend, send, waiting_request
+from ivr.telephony.dialing import is_dialable
 
 MAX_HOPS = 64
 """Nodes entered without waiting for anything; the validator rejects such loops, this is a guard."""
-
-
-"""Said instead of dialling a transfer number that is not in E.164 form."""
 
 
 class FlowRuntimeError(FlowError):
@@ -128,11 +124,14 @@ def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, lis
     return run.state, run.actions
 
 
-class _Step(AgentSteps):
+class _Step:
+    """One step of a call; it is the ``StepContext`` of the agent steps it hands agent nodes to."""
+
     def __init__(self, flow: Flow, state: FlowState) -> None:
         self.root = flow
         self.state = state
         self.actions: list[FlowAction] = []
+        self.agent = AgentSteps(self)
         # Without a stack the call's own flow runs (whatever name the state has, as before).
         current = flow.subflows.get(state.flow) if state.stack else flow
         self.lost = current is None or not self._frames_known()
@@ -159,17 +158,17 @@ class _Step(AgentSteps):
         if isinstance(event, CallStarted):
             self.goto(self.flow.start)
         elif isinstance(event, Resumed):
-            self._resume()
+            self._resume(event)
         elif isinstance(event, CallerHungUp):
             self._finish("caller_hangup")
         elif isinstance(event, HttpResult) and self.state.waiting == "http":
             self._http_result(event)
         elif isinstance(event, HttpResult) and self.state.waiting == "tool_http":
-            self.tool_http_result(event)
+            self.agent.tool_http_result(event)
         elif isinstance(event, IntentClassified) and self.state.waiting == "classify":
             self._classified(event)
         elif isinstance(event, LlmReplied) and self.state.waiting == "agent":
-            self.agent_replied(event)
+            self.agent.replied(event)
         elif isinstance(event, CallerSaid | CallerPressed | CallerSilent):
             self._caller_input(event)
         else:
@@ -183,7 +182,7 @@ class _Step(AgentSteps):
             raise FlowRuntimeError(f"caller input while waiting for {self.state.waiting}")
         node = self.flow.nodes[self.state.node]
         if isinstance(node, AgentNode):
-            self.agent_input(node, event)
+            self.agent.caller_input(node, event)
         elif isinstance(node, AskNode | MenuNode):
             self._answer(node, event)
 
@@ -244,15 +243,15 @@ class _Step(AgentSteps):
         if isinstance(node, AskNode | MenuNode):
             self._prompt(node, None)
         elif isinstance(node, AgentNode):
-            self.enter_agent(node)
+            self.agent.enter(node)
         elif isinstance(node, HttpNode):
-            self.actions.append(self.http_request(node.request, self.scope()))
+            self.actions.append(send(self.state, node.request, self.scope()))
             self.state.waiting = "http"
         elif isinstance(node, TransferNode):
             self.say(node.say, interruptible=False)
             number = self.render(node.number).strip()
-            if not E164.fullmatch(number):  # a variable held something that cannot be dialled
-                self.say(TRANSFER_FAILED_PROMPT, interruptible=False)
+            if not is_dialable(number):  # a variable held something that cannot be dialled
+                self.say(phrases.TRANSFER_FAILED, interruptible=False)
                 self.actions.append(Hangup())
                 self._finish("hangup")
                 return
@@ -313,8 +312,8 @@ class _Step(AgentSteps):
         self._switch(self.root, values)
         self.goto(self.root.start)
 
-    def _resume(self) -> None:
-        self.say(self.flow.resume_prompt or self.root.resume_prompt)
+    def _resume(self, event: Resumed) -> None:
+        self.say(self.flow.resume_prompt or self.root.resume_prompt or event.resume_prompt)
         if self.lost:
             self._restart()
             return
@@ -324,29 +323,28 @@ class _Step(AgentSteps):
         elif isinstance(node, AskNode | MenuNode):
             self._prompt(node, None)
         elif isinstance(node, AgentNode):
-            self.resume_agent(node)
-        else:
+            self.agent.resume(node)
+        elif not (isinstance(node, HttpNode) and self._resume_http(node)):
             self.goto(self.state.node)
 
-    # ------------------------------------------------------------ ask / menu
+    def _resume_http(self, node: HttpNode) -> bool:
+        """The call waited for a keyed request: take its kept answer, or (in flight, maybe
+        received) send it again with its key; never a second request under a new key."""
+        sent = waiting_request(self.state) if self.state.waiting == "http" else None
+        if sent is None:
+            return False
+        if sent.answer is not None:
+            self._http_result(as_result(sent.answer))
+        else:
+            self.actions.append(resend(self.state, node.request, self.scope()))
+        return True
 
-    def listen_spec(self, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
-        timeout = node.no_input_timeout or self.flow.defaults.no_input_timeout
-        if isinstance(node, AgentNode):
-            return ListenSpec(speech=True, dtmf=True, no_input_timeout=timeout)
-        return ListenSpec(
-            speech=node.speech,
-            dtmf=node.dtmf,
-            no_input_timeout=timeout,
-            num_digits=_num_digits(node),
-            finish_on_key=node.digits.finish_on_key,
-            inter_digit_timeout=node.digits.inter_digit_timeout,
-        )
+    # ------------------------------------------------------------ ask / menu
 
     def _prompt(self, node: AskNode | MenuNode, before: str | None) -> None:
         self.say(before)
         self.say(node.prompt, node.interruptible)
-        self.actions.append(Listen(self.listen_spec(node)))
+        self.actions.append(Listen(listen_spec(self.flow, node)))
         self.state.waiting = "input"
 
     def _retry(self, node: AskNode | MenuNode, silent: bool) -> None:
@@ -428,33 +426,16 @@ class _Step(AgentSteps):
 
     # ------------------------------------------------------------ http
 
-    def http_request(self, call: HttpCall, variables: Mapping[str, Any]) -> HttpRequest:
-        return HttpRequest(
-            method=call.method,
-            url=render_url(call.url, variables),
-            headers={k: render(v, variables) for k, v in call.headers.items()},
-            json=render_value(call.json_body, variables),
-            timeout=call.timeout,
-        )
-
     def _http_result(self, event: HttpResult) -> None:
         node = self.flow.nodes[self.state.node]
         assert isinstance(node, HttpNode)
+        self.state.request = None  # answered: its outcome goes into the variables now
         self.state.vars["http_status"] = event.status
-        error = event.error if not event.ok else self.map_answer(node.request, event.json)
+        error = read_answer(node.request, event, self.state.vars)
         self.state.vars["http_error"] = error
         target = node.on_error if error else node.next
         assert target is not None  # the validator requires both edges
         self.goto(target)
-
-    def map_answer(self, call: HttpCall, answer: Any) -> str | None:
-        """Copy mapped answer fields into variables; an error text if one is missing."""
-        for var, path in call.map.items():
-            value = lookup(answer, path) if isinstance(answer, dict | list) else None
-            if value is None:
-                return f"the answer has no field '{path}'"
-            self.state.vars[var] = value
-        return None
 
 
 def _match_route(flow: Flow, node: AskNode | MenuNode, answer: str, spoken: bool) -> str | None:
@@ -501,15 +482,3 @@ def _pattern_ok(node: AskNode, answer: str, spoken: bool) -> bool:
 
 def _full(pattern: str, text: str) -> bool:
     return re.fullmatch(pattern, text) is not None
-
-
-def _num_digits(node: AskNode | MenuNode) -> int | None:
-    """A menu of single keys answers on the first key, not after the inter-digit timeout."""
-    if node.digits.num_digits is not None or "digits" in node.model_fields_set:
-        return node.digits.num_digits
-    if isinstance(node, MenuNode):
-        return 1
-    keys = [route.key for route in node.routes if route.key]
-    if keys and node.store is None and node.pattern is None and all(len(k) == 1 for k in keys):
-        return 1
-    return None

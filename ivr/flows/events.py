@@ -47,6 +47,32 @@ class Frame(BaseModel):
     vars: dict[str, Any]
 
 
+class KeptAnswer(BaseModel):
+    """A backend's answer as the call state keeps it (see ``waits.kept_answer``)."""
+
+    ok: bool
+    status: int = 0
+    body: Any = None
+    """The JSON answer: whole up to ``waits.MAX_KEPT_ANSWER``, else only the mapped fields."""
+    error: str | None = None
+
+
+class SentRequest(BaseModel):
+    """A request that is not idempotent, from the node the call waits at. Saved with its key
+    before it is sent (in flight) and again with its answer before the engine reads it, so a
+    resumed call never sends it twice: it re-sends an in-flight one with the same key (the
+    backend deduplicates) and reads a kept answer instead of asking again."""
+
+    key: str
+    """The ``Idempotency-Key`` header it is sent with."""
+    flow: str
+    node: str
+    tool_call: str | None = None
+    """The agent tool call it answers (None: an http node)."""
+    answer: KeptAnswer | None = None
+    """None while in flight."""
+
+
 class FlowState(BaseModel):
     flow: str
     """The flow running now: the call's flow, or a sub-flow of it (then ``stack`` is not empty)."""
@@ -72,6 +98,12 @@ class FlowState(BaseModel):
     outcome: Outcome | None = None
     transfer_to: str | None = None
     steps: int = 0
+    call_id: str = ""
+    """Identifies the call in idempotency keys (its CallSid; the runner sets it)."""
+    http_seq: int = 0
+    """Requests with an idempotency key sent so far: each key ends with its number."""
+    request: SentRequest | None = None
+    """The keyed request the call waits for, until the engine reads its answer."""
 
     @property
     def done(self) -> bool:
@@ -89,6 +121,10 @@ class CallStarted:
 @dataclass(frozen=True, slots=True)
 class Resumed:
     """The call continues from a saved state on another instance."""
+
+    resume_prompt: str = ""
+    """The gateway's apology, said when neither the flow nor the call's flow sets one. Given
+    with the event, not kept in the state: it is configuration, not part of the call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +233,11 @@ class HttpRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     json: Any = None
     timeout: float = 5.0
+    key: str | None = None
+    """Its idempotency key (already in ``headers``): the runner keeps the answer in the state
+    and saves it before the engine reads it. None: idempotent, nothing is kept."""
+    keep: tuple[str, ...] = ()
+    """The answer's fields the flow maps, kept when the whole answer is too large to keep."""
 
 
 @dataclass(frozen=True, slots=True)

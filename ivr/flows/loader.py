@@ -1,183 +1,32 @@
-"""Read a flow file: YAML -> plain data with a line/column for every key and value -> ``Flow``.
+"""Read flow files: YAML -> plain data with a line/column for every key and value -> ``Flow``.
 
 Every problem found (YAML syntax, shape, references, graph) is reported with the file, line and
-column it comes from, all at once, as a ``FlowLoadError``.
+column it comes from, all at once, as a ``FlowLoadError``. A flow directory holds one flow per
+``*.yaml`` file plus an optional ``routes.yaml``; ``load_flow`` attaches the sub-flows a flow
+includes from the other flow files of its directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
-import yaml
 from pydantic import ValidationError
 
-from ivr.errors import FlowError
-from ivr.flows.model import Flow
+from ivr.flows.model import Flow, ReturnNode
+from ivr.flows.problems import FlowLoadError, Path_, Problem, SourceMap
+from ivr.flows.subflows import included, resolve
+from ivr.flows.validate import check_flow, read_knowledge
+from ivr.flows.yamlsource import parse_yaml, pydantic_problems
 
-Path_ = tuple[str | int, ...]
-_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    file: str
-    line: int
-    column: int
-    message: str
-    severity: Literal["error", "warning"] = "error"
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.column}: {self.severity}: {self.message}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "line": self.line,
-            "column": self.column,
-            "severity": self.severity,
-            "message": self.message,
-        }
+ROUTES_FILE = "routes.yaml"
+"""The one YAML file of a flow directory that is not a flow: called number -> flow name."""
 
 
-class FlowLoadError(FlowError):
-    """A flow file is invalid; ``problems`` lists every reason with its position."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = problems
-        super().__init__("\n".join(str(p) for p in problems))
-
-
-@dataclass(slots=True)
-class SourceMap:
-    """Where each piece of the YAML document starts (1-based line and column)."""
-
-    file: str
-    values: dict[Path_, tuple[int, int]] = field(default_factory=dict)
-    keys: dict[Path_, tuple[int, int]] = field(default_factory=dict)
-
-    def locate(self, path: Path_, *, key: bool = False) -> tuple[int, int]:
-        """Position of ``path`` (its key if ``key``), else of its nearest existing parent."""
-        if key and path in self.keys:
-            return self.keys[path]
-        for end in range(len(path), -1, -1):
-            if path[:end] in self.values:
-                return self.values[path[:end]]
-        return (1, 1)
-
-    def problem(
-        self, path: Path_, message: str, *, key: bool = False, warn: bool = False
-    ) -> Problem:
-        line, column = self.locate(path, key=key)
-        return Problem(self.file, line, column, message, "warning" if warn else "error")
-
-
-def parse_yaml(text: str, file: str) -> tuple[Any, SourceMap]:
-    """Parse one YAML document into plain data plus its ``SourceMap``."""
-    smap = SourceMap(file)
-    try:
-        loader = _Loader(text)
-        try:
-            root = loader.get_single_node()
-            if root is None:
-                raise FlowLoadError([Problem(file, 1, 1, "the file is empty")])
-            data = _convert(root, (), smap, loader)
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        reason = " ".join(s for s in (exc.context, exc.problem) if s)
-        raise FlowLoadError([Problem(file, line, column, f"YAML syntax: {reason}")]) from None
-    return data, smap
-
-
-def _convert(node: yaml.Node, path: Path_, smap: SourceMap, loader: Any) -> Any:
-    smap.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.MappingNode):
-        out: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
-            if not isinstance(key, str | int | float | bool):
-                key = str(key)
-            if key in out:
-                line, col = key_node.start_mark.line + 1, key_node.start_mark.column + 1
-                msg = f"duplicate key {key!r}: the second one would silently win; remove one"
-                raise FlowLoadError([Problem(smap.file, line, col, msg)])
-            child = (*path, str(key))
-            smap.keys[child] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            out[key] = _convert(value_node, child, smap, loader)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_convert(item, (*path, i), smap, loader) for i, item in enumerate(node.value)]
-    return loader.construct_object(node, deep=True)
-
-
-def pydantic_problems(exc: ValidationError, data: Any, smap: SourceMap) -> list[Problem]:
-    problems: list[Problem] = []
-    for err in exc.errors():
-        path = _data_path(err["loc"], data)
-        if any(
-            p.message.endswith(_where(path)) and smap.locate(path) == (p.line, p.column)
-            for p in problems
-        ):
-            continue  # one message per place: a union reports each alternative
-        problems.append(
-            smap.problem(path, _describe(err, path), key=err["type"] == "extra_forbidden")
-        )
-    return problems
-
-
-def _data_path(loc: Iterable[str | int], data: Any) -> Path_:
-    """Map a pydantic error location onto the YAML data, skipping union tags like 'menu'."""
-    path: list[str | int] = []
-    current = data
-    for part in loc:
-        if isinstance(current, dict) and part in current:
-            current = current[part]
-            path.append(str(part))
-        elif isinstance(current, list) and isinstance(part, int) and part < len(current):
-            current = current[part]
-            path.append(part)
-        elif isinstance(current, dict) and not isinstance(part, int) and _is_field_name(part):
-            path.append(part)  # a missing or extra field: point at its parent
-            current = None
-    return tuple(path)
-
-
-def _is_field_name(part: str) -> bool:
-    kinds = {"say", "ask", "menu", "agent", "branch", "set", "http", "transfer", "hangup", "goto",
-             "subflow", "return"}  # fmt: skip
-    return part not in kinds and not part.startswith("function-")
-
-
-def _where(path: Path_) -> str:
-    if len(path) >= 2 and path[0] == "nodes":
-        rest = ".".join(str(p) for p in path[2:])
-        return f" in node '{path[1]}'" + (f" (at {rest})" if rest else "")
-    return f" at {'.'.join(str(p) for p in path)}" if path else ""
-
-
-def _describe(err: Any, path: Path_) -> str:
-    kind, ctx = err["type"], err.get("ctx") or {}
-    name = path[-1] if path else ""
-    where = _where(path[:-1]) if kind in ("missing", "extra_forbidden") else _where(path)
-    if kind == "missing":
-        return f"missing field '{name}'{where}"
-    if kind == "extra_forbidden":
-        return f"unknown field '{name}'{where}; check the spelling (ivr flows schema lists fields)"
-    if kind == "union_tag_invalid":
-        tags = ctx.get("expected_tags", "")
-        return f"unknown node kind {ctx.get('tag')!r}{where}; kinds are: {tags}"
-    if kind == "union_tag_not_found":
-        return f"missing 'kind'{where}; every node needs kind: say|ask|menu|agent|branch|..."
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if kind == "string_type" and isinstance(err.get("input"), bool | int | float):
-        msg += f" (YAML read {err['input']!r}; put quotes around it)"
-    return f"{msg}{where}"
+def flow_files(directory: Path) -> list[Path]:
+    """The flow files of ``directory``, sorted (every ``*.yaml``/``*.yml`` but the routes)."""
+    return sorted(p for p in directory.glob("*.y*ml") if p.name != ROUTES_FILE and p.is_file())
 
 
 def load_flow(
@@ -193,8 +42,6 @@ def load_flow(
     text = read_flow_text(file, shown)
     flow = load_flow_text(text, shown, base_dir=file.parent)
     if with_subflows and flow.subflow_nodes():
-        from ivr.flows.subflows import attach_from_directory
-
         flow = attach_from_directory(flow, file.parent, exclude=file)
     return flow
 
@@ -227,8 +74,6 @@ def check_flow_text(
     text: str, file: str, *, base_dir: Path | None = None
 ) -> tuple[Flow | None, list[Problem]]:
     """Validate a flow; returns the flow (None if any error) and all problems, warnings included."""
-    from ivr.flows.validate import check_flow, read_knowledge
-
     try:
         data, smap = parse_yaml(text, file)
     except FlowLoadError as exc:
@@ -253,7 +98,7 @@ def _ref_positions(flow: Flow, smap: SourceMap) -> dict[str, tuple[int, int]]:
     """Positions of sub-flow references, for problems found later against other files."""
     out: dict[str, tuple[int, int]] = {}
     for name, any_node in flow.nodes.items():
-        if any_node.kind == "return":
+        if isinstance(any_node, ReturnNode):
             out[f"nodes.{name}"] = smap.locate(("nodes", name), key=True)
     for name, node in flow.subflow_nodes().items():
         at: Path_ = ("nodes", name)
@@ -263,3 +108,44 @@ def _ref_positions(flow: Flow, smap: SourceMap) -> dict[str, tuple[int, int]]:
             for key in keys:
                 out[f"nodes.{name}.{part}.{key}"] = smap.locate((*at, part, key), key=True)
     return out
+
+
+# ---------------------------------------------------------------- a flow's directory
+
+
+def sibling_flows(
+    directory: Path, exclude: Path | None = None
+) -> tuple[dict[str, Flow], dict[str, list[Problem]]]:
+    """Valid flows of a directory (not resolved) by name, and the refused files' problems by
+    file stem."""
+    flows: dict[str, Flow] = {}
+    refused: dict[str, list[Problem]] = {}
+    for path in flow_files(directory):
+        if exclude is not None and path.resolve() == exclude.resolve():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        flow, problems = check_flow_text(text, str(path), base_dir=directory)
+        if flow is None:
+            refused[path.stem] = [p for p in problems if p.severity == "error"]
+        else:
+            flows.setdefault(flow.name, flow)
+    return flows, refused
+
+
+def attach_from_directory(flow: Flow, directory: Path, *, exclude: Path | None = None) -> Flow:
+    """``flow`` with the flows it includes, found among the flow files of ``directory``."""
+    siblings, refused = sibling_flows(directory, exclude)
+    flows = {**siblings, flow.name: flow}
+    resolved, problems = resolve(flows)
+    if flow.name in resolved:
+        return resolved[flow.name]
+    names = included(flows, flow.name) | {flow.name}
+    files = {flows[n].source for n in names}
+    errors = [p for p in problems if p.severity == "error" and p.file in files]
+    for name in names:
+        for node in flows[name].subflow_nodes().values():
+            errors += refused.get(node.flow, [])
+    raise FlowLoadError(errors)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from ivr.telephony.twilio import E164
+from ivr.telephony.dialing import is_dialable
 
 NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 VarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -100,6 +100,9 @@ class DtmfSpec(Spec):
     inter_digit_timeout: float = Field(default=3.0, gt=0, le=30)
 
 
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+
+
 class HttpCall(Spec):
     """An HTTP request; string values anywhere in it are templates."""
 
@@ -112,8 +115,32 @@ class HttpCall(Spec):
         default_factory=dict,
         description="variable -> dotted path in the JSON answer (e.g. data.items.0.name).",
     )
+    idempotent: bool | None = Field(
+        default=None,
+        description="Safe to send twice (default: true for GET, false otherwise). A request "
+        "that is not carries an idempotency key, and a resumed call never sends it twice.",
+    )
+    idempotency_header: str = Field(
+        default="Idempotency-Key",
+        description="Header that carries the key of a request that is not idempotent.",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("idempotency_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        if not _HEADER_NAME.fullmatch(value):
+            raise ValueError(
+                f"'{value}' is not an HTTP header name (letters, digits and !#$%&'*+.^_`|~- only)"
+            )
+        return value
+
+    @property
+    def keyed(self) -> bool:
+        """Sent with an idempotency key, its answer kept in the call state."""
+        safe = self.method == "GET" if self.idempotent is None else self.idempotent
+        return not safe
 
 
 class Route(Spec):
@@ -319,7 +346,7 @@ class TransferNode(NodeBase):
     @classmethod
     def _e164(cls, value: str) -> str:
         # A templated number is checked once rendered, at run time.
-        if "{{" not in value and not E164.fullmatch(value):
+        if "{{" not in value and not is_dialable(value):
             raise ValueError(f"transfer number '{value}' must be in E.164 form, e.g. +15550100998")
         return value
 
@@ -391,6 +418,12 @@ class Flow(Spec):
         default_factory=dict,
         description="Call variables and their start values; {env: NAME, default: x} reads the "
         "environment when the call starts.",
+    )
+    variables_in_clear: list[VarName] = Field(
+        default_factory=list,
+        description="Variables the call record keeps unmasked (the caller's answers and phone "
+        "or card numbers are masked there otherwise), e.g. an account number a later http node "
+        "needs after the call resumes on another instance.",
     )
     intents: dict[VarName, Intent] = Field(default_factory=dict)
     defaults: Defaults = Field(default_factory=Defaults)

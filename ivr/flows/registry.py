@@ -22,22 +22,16 @@ import structlog
 import watchfiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ivr.flows.loader import (
-    FlowLoadError,
-    Problem,
-    load_flow_text,
-    parse_yaml,
-    pydantic_problems,
-    read_flow_text,
-)
+from ivr.flows.loader import ROUTES_FILE, flow_files, load_flow_text, read_flow_text
 from ivr.flows.model import AgentNode, AskNode, Flow, HangupNode, MenuNode, SayNode, TransferNode
+from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.sources import Sources, capture, combine
 from ivr.flows.subflows import resolve
 from ivr.flows.template import has_references
+from ivr.flows.yamlsource import parse_yaml, pydantic_problems
 
 log = structlog.get_logger("ivr.flows")
 
-ROUTES_FILE = "routes.yaml"
 OnReload = Callable[[list[Problem]], Awaitable[None]]
 
 
@@ -98,7 +92,7 @@ class FlowRegistry:
         problems: list[Problem] = []
         refused: dict[str, list[Problem]] = {}
         sources = dict(old.sources)
-        for path in self._flow_files():
+        for path in flow_files(self.directory):
             key = str(path)
             try:
                 flow, captured = _load_file(path)  # sub-flows are attached below, across files
@@ -149,11 +143,6 @@ class FlowRegistry:
             else:
                 del files[key]
         return resolved
-
-    def _flow_files(self) -> list[Path]:
-        return sorted(
-            p for p in self.directory.glob("*.y*ml") if p.name != ROUTES_FILE and p.is_file()
-        )
 
     def _routes(
         self, flows: dict[str, Flow], old: _Table

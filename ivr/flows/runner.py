@@ -5,13 +5,16 @@
     final = await runner.run(saved)       # resume a call whose instance died
 
 ``on_step`` is awaited after every engine step and before anything of that step is spoken, so a
-crash loses at most the turn in progress.
+crash loses at most the turn in progress. A request that is not idempotent is saved twice: in
+flight with its idempotency key (the step that asks for it), then with its answer, before the
+engine reads it; a resumed call re-sends it with the same key or reads the kept answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -44,6 +47,7 @@ from ivr.flows.events import (
     Transfer,
 )
 from ivr.flows.model import Flow
+from ivr.flows.waits import answered, kept_answer
 from ivr.llm.base import ChatMessage, LanguageModel, TextDelta, ToolCall
 
 log = structlog.get_logger("ivr.flows")
@@ -65,7 +69,10 @@ class FlowRunner:
         *,
         call_vars: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        resume_prompt: str = "",
     ) -> None:
+        """``resume_prompt`` is the gateway's apology when a call resumes, for flows that set
+        none of their own (``IVR_RESUME_PROMPT``)."""
         self.flow = flow
         self.io = io
         self.llm = llm
@@ -73,6 +80,7 @@ class FlowRunner:
         self.on_step = on_step
         self.call_vars = dict(call_vars or {})
         self.env = env
+        self.resume_prompt = resume_prompt
 
     async def run(self, state: FlowState | None = None) -> FlowState:
         """Run until the call ends (hang-up, transfer, caller gone); returns the final state."""
@@ -82,7 +90,9 @@ class FlowRunner:
             event = CallStarted()
         else:
             state = state.model_copy(update={"env": call_env(self.flow, self.env)})
-            event = Resumed()
+            event = Resumed(self.resume_prompt)
+        if not state.call_id:  # a new call, or one saved before keys existed
+            state = state.model_copy(update={"call_id": self._call_id()})
         while True:
             state, actions = step(self.flow, state, event)
             log.debug("flow.step", flow=self.flow.name, node=state.node, waiting=state.waiting)
@@ -96,7 +106,27 @@ class FlowRunner:
                     )
                 log.info("flow.ended", flow=self.flow.name, node=state.node, outcome=state.outcome)
                 return state
+            if isinstance(result, HttpResult) and isinstance(actions[-1], HttpRequest):
+                state, result = await self._keep_answer(state, actions[-1], result)
             event = result
+
+    def _call_id(self) -> str:
+        """The call in idempotency keys: its CallSid, else (tests, tools) a random id."""
+        return str(self.call_vars.get("call_sid") or uuid.uuid4().hex)
+
+    async def _keep_answer(
+        self, state: FlowState, request: HttpRequest, result: HttpResult
+    ) -> tuple[FlowState, HttpResult]:
+        """Save the answer to a keyed request before the engine reads it: a call resumed from
+        here on reads it instead of sending the request again. The engine reads the kept
+        answer, so a resumed call and a live one go on alike."""
+        if request.key is None:
+            return state, result
+        kept = await asyncio.to_thread(kept_answer, result, request.keep)
+        state = answered(state, request.key, kept)
+        if self.on_step is not None:
+            await self.on_step(state)
+        return state, kept
 
     async def _execute(self, actions: list[FlowAction]) -> FlowEvent | None:
         for action in actions:

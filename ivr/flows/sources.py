@@ -19,9 +19,10 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
-from ivr.flows.loader import FlowLoadError, Problem, file_digest
+from ivr.flows.loader import file_digest, sibling_flows
 from ivr.flows.model import AgentNode, Flow
-from ivr.flows.subflows import resolve, sibling_flows
+from ivr.flows.problems import FlowLoadError, Problem
+from ivr.flows.subflows import resolve
 
 log = structlog.get_logger("ivr.flows")
 

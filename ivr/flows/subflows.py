@@ -5,6 +5,8 @@ together (a directory); these checks run after each file passed on its own. ``re
 to every flow the flows it includes (directly or not) as loaded together, and makes its
 ``version`` cover theirs: a call pinned to a version also pins its sub-flows, and a reload of a
 sub-flow's file is a new version of every flow that includes it.
+
+Everything here works on flows already loaded; ``ivr.flows.loader`` reads a directory's files.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 import difflib
 import hashlib
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
-from ivr.flows.loader import FlowLoadError, Problem, check_flow_text
 from ivr.flows.model import INPUT_KINDS, Flow, Node, ReturnNode, SubflowNode
+from ivr.flows.problems import Problem
 from ivr.flows.validate import edges, input_free_cycles, known_variables
 
 
@@ -209,48 +210,3 @@ def _returns_without_input(flow: Flow, waits: Callable[[Node], bool]) -> bool:
 def _problem(flow: Flow, where: str, message: str, *, warn: bool = False) -> Problem:
     line, column = flow.ref_positions.get(where, (1, 1))
     return Problem(flow.source, line, column, message, "warning" if warn else "error")
-
-
-# ---------------------------------------------------------------- one file and its directory
-
-
-def sibling_flows(
-    directory: Path, exclude: Path | None = None
-) -> tuple[dict[str, Flow], dict[str, list[Problem]]]:
-    """Valid flows of a directory (not resolved) by name, and the refused files' problems by
-    file stem."""
-    from ivr.flows.registry import ROUTES_FILE
-
-    flows: dict[str, Flow] = {}
-    refused: dict[str, list[Problem]] = {}
-    for path in sorted(directory.glob("*.y*ml")):
-        if path.name == ROUTES_FILE or not path.is_file():
-            continue
-        if exclude is not None and path.resolve() == exclude.resolve():
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        flow, problems = check_flow_text(text, str(path), base_dir=directory)
-        if flow is None:
-            refused[path.stem] = [p for p in problems if p.severity == "error"]
-        else:
-            flows.setdefault(flow.name, flow)
-    return flows, refused
-
-
-def attach_from_directory(flow: Flow, directory: Path, *, exclude: Path | None = None) -> Flow:
-    """``flow`` with the flows it includes, found among the flow files of ``directory``."""
-    siblings, refused = sibling_flows(directory, exclude)
-    flows = {**siblings, flow.name: flow}
-    resolved, problems = resolve(flows)
-    if flow.name in resolved:
-        return resolved[flow.name]
-    names = included(flows, flow.name) | {flow.name}
-    files = {flows[n].source for n in names}
-    errors = [p for p in problems if p.severity == "error" and p.file in files]
-    for name in names:
-        for node in flows[name].subflow_nodes().values():
-            errors += refused.get(node.flow, [])
-    raise FlowLoadError(errors)

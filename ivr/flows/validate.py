@@ -3,6 +3,7 @@
 * targets (``next``, ``fallback``, ``on_error``, route/option/case/tool ``next``) name real nodes
 * intents used by routes are declared; template variables are ones the flow can set
 * knowledge files exist; menu keys are unique; tool argument schemas are objects
+* a request that is not idempotent does not set its idempotency header itself
 * graph: no unreachable node, no dead end, no cycle that never waits for the caller
 """
 
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from ivr.flows import template
-from ivr.flows.loader import Path_, Problem, SourceMap
 from ivr.flows.model import (
     BUILTIN_TARGETS,
     INPUT_KINDS,
@@ -23,6 +23,7 @@ from ivr.flows.model import (
     BranchNode,
     Flow,
     GotoNode,
+    HttpCall,
     HttpNode,
     MenuNode,
     Node,
@@ -30,6 +31,7 @@ from ivr.flows.model import (
     SetNode,
     SubflowNode,
 )
+from ivr.flows.problems import Path_, Problem, SourceMap
 
 BUILTIN_VARIABLES = (
     "caller",
@@ -47,7 +49,7 @@ _NOT_TEMPLATES = frozenset(
         "description", "name", "key", "intent", "pattern", "var", "parameters", "schema",
         "knowledge", "knowledge_text", "store", "matches", "method", "history", "map",
         "examples", "equals", "not_equals", "in", "contains", "when", "options", "routes",
-        "exit_when", "cases", "tools", "result",
+        "exit_when", "cases", "tools", "result", "idempotency_header",
     }
 )  # fmt: skip
 
@@ -121,6 +123,7 @@ def check_flow(flow: Flow, data: dict[str, Any], smap: SourceMap) -> list[Proble
     problems = _check_targets(flow, smap)
     problems += _check_nodes(flow, smap)
     problems += _check_variables(flow, data, smap)
+    problems += _check_in_clear(flow, smap)
     problems += _check_graph(flow, smap)
     return problems
 
@@ -161,7 +164,25 @@ def _check_nodes(flow: Flow, smap: SourceMap) -> list[Problem]:
                     problems.append(smap.problem((*at, "options", i, "key"), msg))
         if isinstance(node, AgentNode):
             problems += _check_agent(name, node, smap)
+        if isinstance(node, HttpNode):
+            problems += _check_http(node.request, (*at, "request"), smap)
     return problems
+
+
+def _check_http(call: HttpCall, at: Path_, smap: SourceMap) -> list[Problem]:
+    """The gateway sets the idempotency header of a keyed request; a second one, from the file,
+    would leave the backend unable to tell a resend from a new request."""
+    if not call.keyed:
+        return []
+    for header in call.headers:
+        if header.lower() == call.idempotency_header.lower():
+            msg = (
+                f"header '{header}' is set by the gateway on a {call.method} request (a key "
+                "that stays the same when a resumed call sends it again); remove it, or mark "
+                "the request 'idempotent: true' to send your own"
+            )
+            return [smap.problem((*at, "headers", header), msg)]
+    return []
 
 
 def _check_ask(flow: Flow, name: str, node: AskNode, smap: SourceMap) -> list[Problem]:
@@ -195,6 +216,8 @@ def _check_agent(name: str, node: AgentNode, smap: SourceMap) -> list[Problem]:
                 "{type: object, properties: ...}"
             )
             problems.append(smap.problem((*at, "parameters"), msg))
+        if tool.http is not None:
+            problems += _check_http(tool.http, (*at, "http"), smap)
     return problems
 
 
@@ -244,6 +267,16 @@ def _check_variables(flow: Flow, data: dict[str, Any], smap: SourceMap) -> list[
         if var.split(".")[0] not in known:
             problems.append(smap.problem(path, _unknown_var(var, known)))
     return problems
+
+
+def _check_in_clear(flow: Flow, smap: SourceMap) -> list[Problem]:
+    """``variables_in_clear`` names variables the flow has: a typo would leave one masked."""
+    known = known_variables(flow)
+    return [
+        smap.problem(("variables_in_clear", i), _unknown_var(name, known))
+        for i, name in enumerate(flow.variables_in_clear)
+        if name not in known
+    ]
 
 
 def _unknown_var(ref: str, known: set[str]) -> str:

@@ -1,6 +1,6 @@
 """``ivr flows validate | test | schema | graph``.
 
-The main CLI wires these in with ``add_commands(subparsers)``; ``python -m ivr.flows.cli ...``
+The main CLI wires these in with ``add_commands(subparsers)``; ``python -m ivr.flowtools.cli ...``
 runs them on their own.
 """
 
@@ -18,10 +18,14 @@ from typing import Any
 
 import structlog
 
-from ivr.flows.graph import to_dot, to_mermaid
-from ivr.flows.loader import FlowLoadError, Problem, check_flow_text, load_flow
+from ivr.flows.loader import ROUTES_FILE, check_flow_text, load_flow, sibling_flows
 from ivr.flows.model import Flow
-from ivr.flows.registry import ROUTES_FILE, FlowRegistry
+from ivr.flows.problems import FlowLoadError, Problem
+from ivr.flows.registry import FlowRegistry
+from ivr.flows.subflows import check_set
+from ivr.flowtools.audio_test import run_audio_test_file
+from ivr.flowtools.graph import to_dot, to_mermaid
+from ivr.flowtools.testing import CaseResult, find_test_files, run_test_file
 
 DEFAULT_DIR = "flows"
 
@@ -104,21 +108,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _subflow_problems(directory: Path, flows: dict[str, Flow]) -> list[Problem]:
     """Sub-flow references of the checked files, against the other flows of their directory."""
-    from ivr.flows.subflows import check_set, sibling_flows
-
     siblings, _ = sibling_flows(directory)
     checked = {flow.source for flow in flows.values()}
     return [p for p in check_set({**siblings, **flows}) if p.file in checked]
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from ivr.flows.testing import find_test_files, run_test_file
+    run_file = run_audio_test_file if getattr(args, "audio", False) else run_test_file
 
-    run_file = run_test_file
-    if getattr(args, "audio", False):
-        from ivr.flows.audio_test import run_audio_test_file as run_file
-
-    async def run_all() -> list[Any]:
+    async def run_all() -> list[CaseResult]:
         results = []
         for path in find_test_files([Path(p) for p in args.paths]):
             results += await run_file(path)

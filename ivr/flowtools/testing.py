@@ -41,10 +41,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ivr.call.io import ListenSpec
 from ivr.flows.events import FlowState
-from ivr.flows.loader import FlowLoadError, SourceMap, load_flow, parse_yaml, pydantic_problems
+from ivr.flows.loader import load_flow
 from ivr.flows.model import AgentNode, AskNode, Flow
+from ivr.flows.problems import FlowLoadError, SourceMap
 from ivr.flows.runner import FlowRunner
-from ivr.flows.textio import CallerTurn, TextCallIO
+from ivr.flows.yamlsource import parse_yaml, pydantic_problems
+from ivr.flowtools.textio import CallerTurn, TextCallIO
+from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, ScriptToolCall
 
 
 class _Spec(BaseModel):
@@ -169,7 +173,7 @@ class LocalJsonServer:
         self.thread.join(5)
 
 
-class _ScriptedLlm:
+class ScriptedLlm:
     """Feeds the fake OpenAI server the replies a test scripted, in order."""
 
     def __init__(self) -> None:
@@ -177,9 +181,21 @@ class _ScriptedLlm:
         self.problems: list[str] = []
         self.lock = threading.Lock()
 
-    def __call__(self, request: dict[str, Any]) -> Any:
-        from ivr.testing.openai_server import ChatScript, ScriptToolCall
+    def load(self, steps: list[Step]) -> None:
+        """Start a case: forget the last one, queue the replies its steps script."""
+        self.queue.clear()
+        self.problems.clear()
+        for s in steps:
+            self.queue.extend(s.llm)
+            if s.intent is not None:
+                self.queue.append(LlmReply.model_validate({"json": {"intent": s.intent}}))
 
+    def leftovers(self) -> list[str]:
+        """What went wrong with the script in the case that ran."""
+        unused = [f"{len(self.queue)} scripted LLM replies were never used"] if self.queue else []
+        return [*self.problems, *unused]
+
+    def __call__(self, request: dict[str, Any]) -> ChatScript:
         with self.lock:
             reply = self.queue.popleft() if self.queue else None
             if reply is None:
@@ -250,21 +266,17 @@ class _Servers:
     def __init__(self, spec: TestFile, flow: Flow) -> None:
         self.spec, self.flow = spec, flow
         self.backend: LocalJsonServer | None = None
-        self.llm_server: Any = None
-        self.llm: Any = None
-        self.script = _ScriptedLlm()
+        self.llm_server: FakeOpenAIServer | None = None
+        self.llm: OpenAICompatLlm | None = None
+        self.script = ScriptedLlm()
 
     async def __aenter__(self) -> _Servers:
         if self.spec.backend is not None:
             self.backend = LocalJsonServer(self.spec.backend.routes).__enter__()
         if needs_llm(self.flow):
-            from ivr.testing.openai_server import FakeOpenAIServer
-
             self.llm_server = FakeOpenAIServer()
             self.llm_server.chat = self.script
             await self.llm_server.__aenter__()
-            from ivr.llm.openai_compat import OpenAICompatLlm
-
             self.llm = OpenAICompatLlm(
                 base_url=self.llm_server.base_url,
                 api_key="test",
@@ -302,12 +314,7 @@ async def _run_case(
     shifted = steps[0].turn() is not None
     if shifted:
         steps.insert(0, Step())  # nothing to check right after the call starts
-    servers.script.queue.clear()
-    servers.script.problems.clear()
-    for s in steps:
-        servers.script.queue.extend(s.llm)
-        if s.intent is not None:
-            servers.script.queue.append(LlmReply.model_validate({"json": {"intent": s.intent}}))
+    servers.script.load(steps)
     io = TextCallIO.scripted(t for s in steps[1:] if (t := s.turn()) is not None)
     checkpoints: list[_Checkpoint] = []
     last: list[FlowState | None] = [None]
@@ -340,9 +347,7 @@ async def _run_case(
     checkpoints.append(_Checkpoint(final, [t for w, t in io.transcript[mark[0] :] if w == "bot"]))
     result.transcript = list(io.transcript)
     _compare(steps, checkpoints, io, smap, (index, shifted), result)
-    result.failures += servers.script.problems
-    if servers.script.queue:
-        result.failures.append(f"{len(servers.script.queue)} scripted LLM replies were never used")
+    result.failures += servers.script.leftovers()
 
 
 def _compare(

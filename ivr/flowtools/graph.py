@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ivr.flows.loader import Path_
 from ivr.flows.model import AgentNode, AskNode, Flow, MenuNode, Node, SubflowNode
+from ivr.flows.problems import Path_
 from ivr.flows.validate import edges
 
 

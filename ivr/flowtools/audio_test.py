@@ -35,20 +35,30 @@ from typing import Any
 
 import yaml
 
-from ivr.flows.loader import FlowLoadError, load_flow
+from ivr.config import Settings
+from ivr.flows.loader import load_flow
 from ivr.flows.model import AgentNode, Flow
-from ivr.flows.testing import (
+from ivr.flows.problems import FlowLoadError
+from ivr.flowtools.testing import (
     Case,
     CaseResult,
-    LlmReply,
     LocalJsonServer,
+    ScriptedLlm,
     Step,
     TestFile,
-    _ScriptedLlm,
     load_test_file,
     resolve_flow,
 )
+from ivr.gateway import Gateway, build_gateway
+from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.server import running_server
+from ivr.sim.caller import place_call
+from ivr.sim.report import CallReport
+from ivr.sim.script import Script, default_synthesize, script_from_data
 from ivr.state.base import CallRecord
+from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.openai_server import FakeOpenAIServer, default_speak
+from ivr.tts.openai_http import OpenAIHttpTts
 
 NO_INPUT_TIMEOUT = 2.0
 """Seconds; every no-input timeout of the copied flows (the sim caller waits this long)."""
@@ -63,8 +73,6 @@ CASE_TIMEOUT = 90.0
 
 def fast_speak(text: str) -> bytes:
     """The fake TTS voice at three times its speed (about 22 ms a character): short tests."""
-    from ivr.testing.openai_server import default_speak
-
     return default_speak(text, SPEAK_RATE)
 
 
@@ -163,8 +171,6 @@ class _Synth:
         self.lock = threading.Lock()
 
     def __call__(self, text: str) -> tuple[bytes, int]:
-        from ivr.sim.script import default_synthesize
-
         with self.lock:
             if text not in self.cache:
                 self.cache[text] = default_synthesize(text)
@@ -179,11 +185,11 @@ class _Synth:
 class AudioRun:
     """Servers shared by the cases of one test file."""
 
-    fake: Any
-    gateway: Any
+    fake: FakeOpenAIServer
+    gateway: Gateway
     base_url: str
     backend: LocalJsonServer | None
-    script: _ScriptedLlm
+    script: ScriptedLlm
     transcripts: collections.deque[str]
     blip: Path
 
@@ -213,13 +219,6 @@ async def run_audio_test_file(path: Path) -> list[CaseResult]:
 
 @contextlib.asynccontextmanager
 async def _serve(spec: TestFile, flow: Flow, flow_path: Path, tmp: Path) -> AsyncIterator[AudioRun]:
-    from ivr.config import Settings
-    from ivr.llm.openai_compat import OpenAICompatLlm
-    from ivr.server import build_gateway, running_server
-    from ivr.stt.openai_http import OpenAIHttpStt
-    from ivr.testing.openai_server import FakeOpenAIServer
-    from ivr.tts.openai_http import OpenAIHttpTts
-
     flows_dir = tmp / "flows"
     flows_dir.mkdir()
     blip = tmp / "blip.wav"
@@ -243,7 +242,7 @@ async def _serve(spec: TestFile, flow: Flow, flow_path: Path, tmp: Path) -> Asyn
             target.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
         copy_knowledge(flow, flow_path.parent, flows_dir)
         copy_subflows(flow, flows_dir)
-        script = _ScriptedLlm()
+        script = ScriptedLlm()
         transcripts: collections.deque[str] = collections.deque()
         async with FakeOpenAIServer(api_key="sk-flows") as fake:
             fake.chat = script
@@ -263,9 +262,9 @@ async def _serve(spec: TestFile, flow: Flow, flow_path: Path, tmp: Path) -> Asyn
                 stt=OpenAIHttpStt(base_url=base, api_key="sk-flows"),
                 tts=OpenAIHttpTts(base_url=base, api_key="sk-flows"),
                 llm=OpenAICompatLlm(base_url=base, api_key="sk-flows", model="flow-test"),
+                # Every prompt goes through TTS, so each turn's bot text is observable there.
+                prewarm_prompts=False,
             )
-            # Every prompt goes through TTS, so each turn's bot text is observable there.
-            gateway.static_prompts = set
             async with running_server(gateway) as server:
                 yield AudioRun(fake, gateway, server.base_url, backend, script, transcripts, blip)
 
@@ -313,20 +312,12 @@ def caller_steps(steps: list[Step], blip: Path) -> tuple[list[dict[str, Any]], l
 
 
 async def _run_case(run: AudioRun, case: Case, index: int, result: CaseResult) -> None:
-    from ivr.sim.caller import place_call
-    from ivr.sim.script import script_from_data
-
     steps = list(case.steps)
     if steps[0].turn() is not None:
         steps.insert(0, Step())
     inputs = [s for s in steps[1:] if s.turn() is not None]
     sim_steps, said, wait_greeting = caller_steps(inputs, run.blip)
-    run.script.queue.clear()
-    run.script.problems.clear()
-    for s in steps:
-        run.script.queue.extend(s.llm)
-        if s.intent is not None:
-            run.script.queue.append(LlmReply.model_validate({"json": {"intent": s.intent}}))
+    run.script.load(steps)
     run.transcripts.clear()
     run.transcripts.extend(said)
     if not sim_steps:  # only checks after the greeting: stay on the line for it
@@ -335,7 +326,37 @@ async def _run_case(run: AudioRun, case: Case, index: int, result: CaseResult) -
         {"steps": sim_steps, "wait_for_greeting": wait_greeting, "max_wait": 15},
         source=case.name,
     )
-    number = case_number(index)
+    call = await _place(run, script, case_number(index))
+    report = call.report
+    result.transcript = _transcript(report, call.speech, call.t0)
+    result.failures += [f"sim caller: {e}" for e in report.errors]
+    result.failures += [f"protocol violation: {v.code} {v.reason}" for v in report.violations]
+    checkpoints = _checkpoints(report, call.observer, call.speech, call.t0, len(inputs), steps[-1])
+    final_record = call.observer.final
+    for i, (step, cp) in enumerate(zip(steps, checkpoints, strict=True)):
+        final = i == len(steps) - 1
+        for problem in _check(step, cp, final_record, report.closing_twiml, final):
+            result.failures.append(f"step {i}: {problem}")
+    if any(s.barge_in_after_words is not None for s in inputs) and not report.clears:
+        result.failures.append("the caller talked over the bot, but no clear reached Twilio")
+    result.failures += run.script.leftovers()
+    if run.transcripts:
+        result.failures.append(f"{len(run.transcripts)} caller utterances were never transcribed")
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call placed: the sim caller's report, the store's view of it, what went to TTS."""
+
+    report: CallReport
+    observer: _Observer
+    speech: list[tuple[float, str]]
+    """(time, text) of every TTS request the call caused."""
+    t0: float
+    """When the call's clock started (the report's times are relative to it)."""
+
+
+async def _place(run: AudioRun, script: Script, number: str) -> _Call:
     observer = _Observer()
     synth = _Synth()
     speech_before = len(run.fake.requests_for("speech"))
@@ -353,27 +374,12 @@ async def _run_case(run: AudioRun, case: Case, index: int, result: CaseResult) -
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
-    t0 = max(started, synth.last)
     observer.final = await run.gateway.store.get(report.call_sid)
     speech = [
         (r.time, str((r.json or {}).get("input", "")))
         for r in run.fake.requests_for("speech")[speech_before:]
     ]
-    result.transcript = _transcript(report, speech, t0)
-    result.failures += [f"sim caller: {e}" for e in report.errors]
-    result.failures += [f"protocol violation: {v.code} {v.reason}" for v in report.violations]
-    checkpoints = _checkpoints(report, observer, speech, t0, len(inputs), steps[-1])
-    for i, (step, cp) in enumerate(zip(steps, checkpoints, strict=True)):
-        final = i == len(steps) - 1
-        for problem in _check(step, cp, observer.final, report.closing_twiml, final):
-            result.failures.append(f"step {i}: {problem}")
-    if any(s.barge_in_after_words is not None for s in inputs) and not report.clears:
-        result.failures.append("the caller talked over the bot, but no clear reached Twilio")
-    result.failures += run.script.problems
-    if run.script.queue:
-        result.failures.append(f"{len(run.script.queue)} scripted LLM replies were never used")
-    if run.transcripts:
-        result.failures.append(f"{len(run.transcripts)} caller utterances were never transcribed")
+    return _Call(report, observer, speech, max(started, synth.last))
 
 
 @dataclass(slots=True)
@@ -383,7 +389,7 @@ class _Checkpoint:
 
 
 def _checkpoints(
-    report: Any,
+    report: CallReport,
     observer: _Observer,
     speech: list[tuple[float, str]],
     t0: float,
@@ -451,7 +457,9 @@ def _check_end(step: Step, record: CallRecord | None, closing: str | None) -> It
         yield f"expected the <Connect action> answer to contain {want}, got {closing!r}"
 
 
-def _transcript(report: Any, speech: list[tuple[float, str]], t0: float) -> list[tuple[str, str]]:
+def _transcript(
+    report: CallReport, speech: list[tuple[float, str]], t0: float
+) -> list[tuple[str, str]]:
     events = [(t - t0, "bot", text) for t, text in speech]
     events += [(t.caller_start_t, "caller", t.caller_text) for t in report.turns if t.caller_text]
     events += [(report.duration_s, "call", report.closing_twiml or "(no closing TwiML)")]

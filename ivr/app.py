@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import structlog
-from fastapi import FastAPI, Request, Response, WebSocket
+from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ivr import phrases
+from ivr.call.connect import CallParams
 from ivr.call.stream import handle_stream
+from ivr.call.tokens import valid_call_sid
 from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.state.admin import admin_router
-from ivr.state.base import CallExists, CallRecord, CallStatus, StoreError
+from ivr.state.base import CallExists, CallRecord, CallStatus, StoreError, StoreUnavailable
 from ivr.telephony import twilio
+from ivr.telephony.dialing import is_dialable
 
 log = structlog.get_logger("ivr.app")
 
-STREAM_TOKEN_TTL = 300.0
-NOT_IN_SERVICE = "Sorry, this number is not in service."
-TECHNICAL_PROBLEM = "Sorry, we are having technical problems. Please call back later."
-MAX_STREAMS = 4  # the first stream plus three resumes
+MAX_STREAMS = 4  # the first stream plus three resumes (planned moves do not count)
 XML = "application/xml"
 
 
@@ -37,76 +38,127 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
             if manage_lifecycle:
                 await gateway.aclose()
 
-    app = FastAPI(title="ivr", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the routes are Twilio's and the operators', and a
+    # public schema only maps the attack surface.
+    app = FastAPI(title="ivr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
+    app.include_router(_twilio_routes(gateway))
+    settings = gateway.settings
+    app.include_router(
+        admin_router(gateway.store, settings.admin_token or None, settings.admin_pii_token or None)
+    )
+    app.include_router(_ops_routes(gateway))
+    return app
 
-    @app.post("/twilio/voice")
+
+def _twilio_routes(gateway: Gateway) -> APIRouter:
+    """What Twilio calls: the voice webhook, the <Connect action> and the media stream."""
+    router = APIRouter()
+
+    @router.post("/twilio/voice")
     async def voice(request: Request) -> Response:
         form = await _signed_form(request, gateway)
         if form is None:
             metrics.WEBHOOKS.labels("forbidden").inc()
             return Response("invalid signature", status_code=403)
-        call_sid = form.get("CallSid", "")
-        if not call_sid:
-            metrics.WEBHOOKS.labels("bad_request").inc()
-            return Response("CallSid missing", status_code=400)
-        record = CallRecord(
-            call_sid=call_sid,
-            account_sid=form.get("AccountSid", ""),
-            from_number=form.get("From", ""),
-            to_number=form.get("To", ""),
-        )
-        if gateway.pin_flow is not None:
-            try:
-                await gateway.pin_flow(record)
-            except LookupError as exc:
-                log.error("webhook.no_flow", error=str(exc), pii_to=record.to_number)
-                metrics.WEBHOOKS.labels("no_flow").inc()
-                return Response(twilio.reject_twiml(NOT_IN_SERVICE), media_type=XML)
-        try:
-            await gateway.store.create(record)
-        except CallExists:
-            log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
-        metrics.WEBHOOKS.labels("accepted").inc()
-        return await _stream_twiml(gateway, record)
+        if not gateway.admission.takes_new_call():
+            # Full, or the loop cannot keep time: a call here would stutter. The balancer
+            # sends the next one elsewhere once /readyz says so.
+            log.warning("webhook.overflow", **gateway.admission.status().as_dict())
+            metrics.WEBHOOKS.labels("overflow").inc()
+            return _twiml(gateway.admission.overflow_twiml())
+        return await _new_call(gateway, form)
 
-    @app.post("/twilio/after-stream")
+    @router.post("/twilio/after-stream")
     async def after_stream(request: Request) -> Response:
         form = await _signed_form(request, gateway)
         if form is None:
             return Response("invalid signature", status_code=403)
         call_sid = form.get("CallSid", "")
         try:
-            return await _after_stream(gateway, call_sid, form.get("CallStatus", ""))
+            streams = _int(request.query_params.get("streams", "")) + 1
+            return await _after_stream(gateway, call_sid, form.get("CallStatus", ""), streams)
+        except StoreUnavailable as exc:
+            # Redis is unreachable and another instance carried the call: answer from what
+            # Twilio sent and the action URL carries.
+            log.warning("call.after_stream_without_record", call_sid=call_sid, error=str(exc))
+            return await _after_stream_without_record(gateway, form, request.query_params)
         except StoreError as exc:
             # Without the record we cannot resume or transfer; say so rather than fail with 500.
             log.error("call.after_stream_failed", call_sid=call_sid, error=str(exc))
-            return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
+            return _twiml(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM))
 
-    @app.websocket("/twilio/stream/{token}")
+    @router.websocket("/twilio/stream/{token}")
     async def stream(ws: WebSocket, token: str) -> None:
-        await handle_stream(ws, token, gateway)
+        await handle_stream(ws, token, gateway.services)
 
-    app.include_router(admin_router(gateway.store, gateway.settings.admin_token or None))
+    return router
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok", "instance": gateway.instance_id}
 
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        ok = await gateway.store.ping()
-        return Response("ready" if ok else "store unavailable", status_code=200 if ok else 503)
+def _ops_routes(gateway: Gateway) -> APIRouter:
+    """Liveness, readiness and metrics for the orchestrator and Prometheus."""
+    router = APIRouter()
 
-    @app.get("/metrics")
+    @router.get("/healthz")
+    async def healthz(verbose: bool = False) -> dict[str, object]:
+        # Alive: the process answers. No host name or pid: this answer is public.
+        if not verbose:
+            return {"status": "ok"}
+        return {"status": "ok", **gateway.admission.status().as_dict()}
+
+    @router.get("/readyz")
+    async def readyz() -> JSONResponse:
+        # Whether THIS instance takes calls (not draining, not full, loop keeping time).
+        # Redis is reported, not required: without it calls go on from memory.
+        status = gateway.admission.status()
+        return JSONResponse(status.as_dict(), status_code=200 if status.ready else 503)
+
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return router
 
 
-async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Response:
-    """Twilio asks what to do now that the stream is over: <Dial>, <Hangup/> or a new stream."""
+async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
+    """A new call: pin its flow, create its record, answer with a stream to connect."""
+    call_sid = form.get("CallSid", "")
+    if not valid_call_sid(call_sid):
+        metrics.WEBHOOKS.labels("bad_request").inc()
+        return Response("CallSid missing or malformed", status_code=400)
+    record = CallRecord(
+        call_sid=call_sid,
+        account_sid=form.get("AccountSid", ""),
+        from_number=form.get("From", ""),
+        to_number=form.get("To", ""),
+    )
+    try:
+        await gateway.flows.pin(record)
+    except LookupError as exc:
+        log.error("webhook.no_flow", error=str(exc), pii_to=record.to_number)
+        metrics.WEBHOOKS.labels("no_flow").inc()
+        return _twiml(twilio.reject_twiml(phrases.NOT_IN_SERVICE))
+    try:
+        await gateway.store.create(record)
+    except CallExists:
+        log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
+    metrics.WEBHOOKS.labels("accepted").inc()
+    return await _stream_twiml(gateway, record)
+
+
+def _twiml(xml: str) -> Response:
+    return Response(xml, media_type=XML)
+
+
+async def _after_stream(
+    gateway: Gateway, call_sid: str, call_status: str, streams_in_url: int
+) -> Response:
+    """Twilio asks what to do now that the stream is over: <Dial>, <Hangup/> or a new stream.
+
+    ``streams_in_url`` is the stream count the action URL carries (plus the one that just
+    ended): with Redis away this instance may hold only the webhook's copy of the record,
+    which never counted a stream, and the resume limit must hold all the same.
+    """
     record = await gateway.store.get(call_sid) if call_sid else None
     if record is None:
         return Response(twilio.hangup_twiml(), media_type=XML)
@@ -115,23 +167,23 @@ async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Re
             await gateway.store.end(call_sid, CallStatus.ENDED)
         return Response(twilio.hangup_twiml(), media_type=XML)
     if record.end_action == "transfer" and record.transfer_to:
-        if not twilio.E164.fullmatch(record.transfer_to):  # never dial what a flow did not validate
+        if not is_dialable(record.transfer_to):  # never dial what a flow did not validate
             log.error(
                 "call.transfer_invalid_number", call_sid=call_sid, pii_number=record.transfer_to
             )
             await gateway.store.end(call_sid, CallStatus.ENDED)
-            return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
+            return Response(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM), media_type=XML)
         log.info("call.transfer", call_sid=call_sid, pii_number=record.transfer_to)
         await gateway.store.end(call_sid, CallStatus.ENDED)
         return Response(twilio.dial_twiml(record.transfer_to), media_type=XML)
     if record.end_action == "hangup" or record.is_ended:
         return Response(twilio.hangup_twiml(), media_type=XML)
-    if record.stream_count >= MAX_STREAMS:
+    if max(record.stream_count, streams_in_url) >= MAX_STREAMS:
         # Resuming keeps failing (a stream that dies at once, a flow that crashes): stop the
         # loop with an apology instead of reconnecting the caller forever.
         log.error("call.resume_limit", call_sid=call_sid, streams=record.stream_count)
         await gateway.store.end(call_sid, CallStatus.ENDED)
-        return Response(twilio.reject_twiml(TECHNICAL_PROBLEM), media_type=XML)
+        return Response(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM), media_type=XML)
     # The stream dropped without a decision to end: resume on a new stream (any instance).
     log.info("call.resume_requested", call_sid=call_sid, node=record.node)
     return await _stream_twiml(gateway, record)
@@ -139,30 +191,52 @@ async def _after_stream(gateway: Gateway, call_sid: str, call_status: str) -> Re
 
 async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | None:
     form = {k: str(v) for k, v in (await request.form()).items()}
-    if gateway.signatures is None:
-        return form if gateway.accepts_unsigned else None
+    auth = gateway.services.auth
+    if auth.signatures is None:
+        return form if auth.accepts_unsigned else None
     signature = request.headers.get("x-twilio-signature", "")
-    if gateway.signatures.check_webhook(request.url.path, request.url.query, form, signature):
+    if auth.signatures.check_webhook(request.url.path, request.url.query, form, signature):
         return form
     log.warning(
         "webhook.bad_signature",
-        url=gateway.signatures.webhook_url(request.url.path, request.url.query),
+        url=auth.signatures.webhook_url(request.url.path, request.url.query),
         hint="IVR_PUBLIC_URL must be exactly the URL configured at Twilio",
     )
     return None
 
 
 async def _stream_twiml(gateway: Gateway, record: CallRecord) -> Response:
-    token = secrets.token_urlsafe(24)
-    await gateway.store.put_stream_token(record.call_sid, token, STREAM_TOKEN_TTL)
-    settings = gateway.settings
-    xml = twilio.connect_stream_twiml(
-        stream_url=f"{settings.public_ws_base}/twilio/stream/{token}",
-        action_url=f"{settings.public_url}/twilio/after-stream",
-        parameters={
-            "CallSid": record.call_sid,
-            "From": record.from_number,
-            "To": record.to_number,
-        },
-    )
+    xml = await gateway.services.connector.twiml(CallParams.of(record))
     return Response(xml, media_type=XML)
+
+
+async def _after_stream_without_record(
+    gateway: Gateway, form: dict[str, str], query: Mapping[str, str]
+) -> Response:
+    """The ``<Connect action>`` on an instance with no record of the call, Redis unreachable.
+
+    The caller hung up: hang up. Otherwise resume on a new stream; the instance that takes it
+    resumes the call where it was if it holds the record, else starts the call's pinned flow
+    again from its greeting (nothing of its progress is readable here). The stream count rides
+    in the action URL, so the resume limit holds without the record too.
+    """
+    call_sid = form.get("CallSid", "")
+    if form.get("CallStatus") == "completed" or not valid_call_sid(call_sid):
+        return _twiml(twilio.hangup_twiml())
+    streams = _int(query.get("streams", "")) + 1  # the stream that just ended
+    if streams >= MAX_STREAMS:
+        log.error("call.resume_limit", call_sid=call_sid, streams=streams)
+        return _twiml(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM))
+    params = CallParams(
+        call_sid=call_sid,
+        from_number=form.get("From", ""),
+        to_number=form.get("To", ""),
+        flow_name=query.get("flow", ""),
+        flow_version=query.get("version", ""),
+        streams=streams,
+    )
+    return _twiml(await gateway.services.connector.twiml(params))
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isdigit() else 0

@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _add_plugin_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ivr.flows.cli import add_commands as add_flow_commands
+    from ivr.flowtools.cli import add_commands as add_flow_commands
     from ivr.state.cli import add_commands as add_store_commands
 
     add_flow_commands(commands)

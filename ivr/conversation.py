@@ -1,5 +1,7 @@
 """What a call does once its stream is up: the YAML flow it was pinned to at webhook time.
 
+``FlowConversation`` binds the flow runtime (``ivr.flows``) to live calls (``ivr.call``).
+
 Flow state is persisted to the call store after every step, before the step's prompt is
 spoken, so an instance that dies loses at most the turn in progress; the stream that resumes
 the call (on any instance) picks the saved state up and the runner re-enters the node.
@@ -15,20 +17,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from typing import Any
 
 import httpx
 import structlog
 
+from ivr import phrases
 from ivr.call.io import CallIO
+from ivr.call.prompts import PromptCache
+from ivr.call.session import CallSession
 from ivr.flows.events import FlowState
-from ivr.flows.loader import FlowLoadError, Problem
 from ivr.flows.model import Flow
+from ivr.flows.privacy import stored_state
+from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.runner import FlowRunner
 from ivr.flows.sources import load_flow_from_sources
-from ivr.gateway import Gateway
+from ivr.llm.base import LanguageModel
 from ivr.state.base import CallRecord, CallStore, StoreError, StreamSuperseded, fenced
+from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.conversation")
 
@@ -104,38 +110,66 @@ class SharedVersions:
         return flow
 
 
-def attach_flows(gateway: Gateway) -> FlowRegistry:
-    """Load ``flows_dir`` (``FlowLoadError`` lists every problem); make it drive the calls."""
-    registry = FlowRegistry(gateway.settings.flows_dir)
-    registry.load()
-    versions = FlowVersions()
-    versions.remember(registry.flows)
-    ttl = max(float(gateway.settings.call_ttl_seconds), MIN_SOURCES_TTL)
-    shared = SharedVersions(gateway.store, registry, ttl)
-    http = httpx.AsyncClient(timeout=10.0)
-    gateway.on_close(http.aclose)
+class FlowConversation:
+    """Runs each call on the YAML flow pinned to it at webhook time (a ``Conversation``)."""
 
-    async def on_reload(problems: list[Problem]) -> None:
-        versions.remember(registry.flows)  # the registry itself logs what it refused
-        added = await gateway.prompts.warm(gateway.tts, sorted(registry.static_prompt_texts()))
+    def __init__(
+        self,
+        registry: FlowRegistry,
+        *,
+        store: CallStore,
+        llm: LanguageModel,
+        http: httpx.AsyncClient,
+        prompts: PromptCache,
+        tts: TextToSpeech,
+        sources_ttl: float,
+        resume_prompt: str = "",
+    ) -> None:
+        self.registry = registry
+        self._store = store
+        self._llm = llm
+        self._http = http
+        self._prompts = prompts
+        self._tts = tts
+        self._resume_prompt = resume_prompt
+        self._versions = FlowVersions()
+        self._versions.remember(registry.flows)
+        self._shared = SharedVersions(store, registry, max(sources_ttl, MIN_SOURCES_TTL))
+
+    def static_prompts(self) -> list[str]:
+        """Every prompt text known before a call starts, worth synthesising in advance."""
+        texts = self.registry.static_prompt_texts() | set(phrases.CACHED_AT_START)
+        if self._resume_prompt:
+            texts.add(self._resume_prompt)
+        return sorted(texts)
+
+    async def watch(self) -> None:
+        """Hot reload: run until cancelled, picking up every valid edit of the flows."""
+        await self.registry.watch(on_reload=self._on_reload)
+
+    async def _on_reload(self, problems: list[Problem]) -> None:
+        self._versions.remember(self.registry.flows)  # the registry logs what it refused
+        added = await self._prompts.warm(self._tts, self.static_prompts())
         log.info("flows.reloaded", refused=len(problems), prompts_synthesised=added)
 
-    async def pin(record: CallRecord) -> None:
-        flow = registry.flow_for_number(record.to_number)
+    async def pin(self, record: CallRecord) -> None:
+        """Set the flow that answers ``record.to_number`` (and its version) on a new call's
+        record, and share that version through the store. Raises LookupError: no flow."""
+        flow = self.registry.flow_for_number(record.to_number)
         record.flow_name, record.flow_version = flow.name, flow.version
-        await shared.share(flow)
+        await self._shared.share(flow)
 
-    async def pinned(record: CallRecord) -> Flow:
+    async def _pinned(self, record: CallRecord) -> Flow:
         """The call's flow version: loaded here, else from the store, else the current one."""
-        flow = versions.get(record.flow_version)
+        flow = self._versions.get(record.flow_version)
         if flow is None and record.flow_version:
-            flow = await shared.fetch(record.flow_name, record.flow_version)
+            flow = await self._shared.fetch(record.flow_name, record.flow_version)
             if flow is not None:
-                versions.remember({flow.name: flow})
-        return flow or _current(registry, record)
+                self._versions.remember({flow.name: flow})
+        return flow or _current(self.registry, record)
 
-    async def conversation(io: CallIO, record: CallRecord) -> None:
-        flow = await pinned(record)
+    async def run(self, io: CallIO, record: CallRecord) -> None:
+        flow = await self._pinned(record)
         saved = FlowState.model_validate(record.flow_state) if record.flow_state else None
         if saved is not None and saved.done:
             # Dropped while the goodbye or transfer prompt played: finish what was decided.
@@ -144,27 +178,22 @@ def attach_flows(gateway: Gateway) -> FlowRegistry:
         stream_sid = record.stream_sid or ""
 
         async def persist(state: FlowState) -> None:
-            await _persist(gateway, record.call_sid, stream_sid, state, io)
+            await _persist(self._store, record.call_sid, stream_sid, flow, state, io)
 
         runner = FlowRunner(
             flow,
             io,
-            gateway.llm,
-            http,
+            self._llm,
+            self._http,
             persist,
             call_vars={
                 "caller": record.from_number,
                 "called": record.to_number,
                 "call_sid": record.call_sid,
             },
+            resume_prompt=self._resume_prompt,
         )
         await runner.run(saved)
-
-    gateway.conversation = conversation
-    gateway.pin_flow = pin
-    gateway.static_prompts = registry.static_prompt_texts
-    gateway.add_background(lambda: registry.watch(on_reload=on_reload))
-    return registry
 
 
 def _current(registry: FlowRegistry, record: CallRecord) -> Flow:
@@ -186,10 +215,12 @@ async def _leave(io: CallIO, state: FlowState) -> None:
 
 
 async def _persist(
-    gateway: Gateway, call_sid: str, stream_sid: str, state: FlowState, io: Any
+    store: CallStore, call_sid: str, stream_sid: str, flow: Flow, live: FlowState, io: CallIO
 ) -> None:
+    # The record gets a masked copy (ivr.flows.privacy); the call goes on with the real values.
+    state = stored_state(flow, live)
     data = state.model_dump(mode="json")
-    turns = io.unsaved_turns() if hasattr(io, "unsaved_turns") else []
+    turns = io.unsaved_turns() if isinstance(io, CallSession) else []
 
     def save(record: CallRecord) -> None:
         if state.done:  # decided before the last prompt plays: a drop now must not resume it
@@ -206,7 +237,7 @@ async def _persist(
             record.add_turn(turn)
 
     try:
-        await gateway.store.update(call_sid, fenced(stream_sid, save))
+        await store.update(call_sid, fenced(stream_sid, save))
     except StreamSuperseded:
         raise  # a newer stream carries the call: this one must stop
     except StoreError as exc:  # the call goes on; the store logs and counts its own outage

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 from ivr.audio.resample import resample
 from ivr.config import Settings
+from ivr.gateway import build_gateway
 from ivr.obs.logging import configure_logging
-from ivr.server import build_gateway, free_port, running_server
+from ivr.server import free_port, running_server
 from ivr.sim.caller import CallReport, place_call
 from ivr.sim.script import script_from_strings
 

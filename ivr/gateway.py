@@ -1,7 +1,9 @@
 """The gateway's long-lived parts, built once per process and shared by every call.
 
-``Gateway.start()`` loads engines, starts the offline LLM server if no provider is configured,
-connects the call store and pre-synthesises static prompts; ``aclose()`` undoes all of it.
+``build_gateway`` wires everything from the settings (store, providers, flows, the per-call
+``CallServices``); nothing is filled in later. ``Gateway.start()`` only starts what was built:
+the store, the offline LLM server when no provider is configured, engine warm-up, static
+prompt synthesis and the flows watcher; ``aclose()`` undoes all of it.
 """
 
 from __future__ import annotations
@@ -11,30 +13,41 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable
 
+import httpx
 import structlog
 
-from ivr.call.io import CallIO
+from ivr.admission import Admission, DrainResult, drain
+from ivr.audio.endpointer import EndpointConfig, Endpointer
+from ivr.audio.gated_vad import GatedSileroVad, shared_pool
+from ivr.audio.vad import VoiceActivityDetector, WebRtcVad
+from ivr.call.connect import StreamConnector
+from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
+from ivr.call.services import CallServices, StreamAuth
+from ivr.call.tokens import StreamTokens
 from ivr.config import Settings
+from ivr.conversation import FlowConversation
+from ivr.engines.llm_server import OfflineLlm
+from ivr.flows.registry import FlowRegistry
 from ivr.llm.base import LanguageModel
 from ivr.obs import metrics
+from ivr.obs.loop_lag import LoopLagMonitor
 from ivr.providers import build_llm, build_stt, build_tts
-from ivr.state.base import CallRecord, CallStore
+from ivr.state.base import CallStore
+from ivr.state.memory import MemoryCallStore
+from ivr.state.redis_store import RedisCallStore
+from ivr.state.resilient import ResilientCallStore
 from ivr.stt.base import SpeechToText
-from ivr.telephony.rest import TwilioRest, rest_from_settings
+from ivr.telephony.rest import rest_from_settings
 from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.gateway")
 
-
-class Conversation(Protocol):
-    """What runs a call once its stream is up (the flow runner)."""
-
-    def __call__(self, io: CallIO, record: CallRecord) -> Coroutine[Any, Any, None]: ...
+FLOW_HTTP_TIMEOUT = 10.0
+"""Seconds for a flow's http node or tool call (each node may set less)."""
 
 
 def new_instance_id() -> str:
@@ -42,90 +55,60 @@ def new_instance_id() -> str:
 
 
 class Gateway:
+    """One process's parts: ``services`` for the streams, ``flows`` for the webhooks."""
+
     def __init__(
         self,
         settings: Settings,
+        services: CallServices,
+        flows: FlowConversation,
+        llm: LanguageModel,
         *,
-        store: CallStore,
-        stt: SpeechToText | None = None,
-        tts: TextToSpeech | None = None,
-        llm: LanguageModel | None = None,
+        flow_http: httpx.AsyncClient,
+        admission: Admission,
+        prewarm_prompts: bool = True,
     ) -> None:
         self.settings = settings
-        self.instance_id = settings.instance_id or new_instance_id()
-        self.store = store
-        self.stt = stt or build_stt(settings)
-        self.tts = tts or build_tts(settings)
-        self._llm = llm
-        self.prompts = PromptCache()
-        self.signatures: SignatureChecker | None = (
-            SignatureChecker(
-                settings.twilio_auth_token, settings.public_url, settings.public_ws_base
-            )
-            if settings.twilio_auth_token
-            else None
-        )
-        self.rest: TwilioRest | None = None
-        """Twilio's REST API (transfers), when an account SID and token are configured."""
-        self.conversation: Conversation | None = None
-        self.pin_flow: Callable[[CallRecord], Awaitable[None]] | None = None
-        """Sets flow_name/flow_version on a new call's record and shares that flow version
-        through the store (raises LookupError: no flow)."""
-        self.static_prompts: Callable[[], set[str]] = set
-        self._exit = contextlib.AsyncExitStack()
-        self._background_factories: list[Callable[[], Coroutine[Any, Any, None]]] = []
-        self._background: list[asyncio.Task[None]] = []
-
-    def add_background(self, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """A long-running job started with the gateway and cancelled when it closes."""
-        self._background_factories.append(factory)
-
-    def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        self._exit.push_async_callback(closer)
+        self.services = services
+        self.flows = flows
+        self.llm = llm
+        self.admission = admission
+        self._flow_http = flow_http
+        self._prewarm_prompts = prewarm_prompts
+        self._watcher: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     @property
-    def llm(self) -> LanguageModel:
-        if self._llm is None:
-            raise RuntimeError("Gateway.start() has not run: no LLM yet")
-        return self._llm
+    def instance_id(self) -> str:
+        return self.services.instance_id
 
     @property
-    def accepts_unsigned(self) -> bool:
-        return self.signatures is None and self.settings.allow_unsigned
+    def store(self) -> CallStore:
+        return self.services.store
+
+    @property
+    def stt(self) -> SpeechToText:
+        return self.services.stt
+
+    @property
+    def tts(self) -> TextToSpeech:
+        return self.services.tts
 
     async def start(self) -> None:
-        settings = self.settings
-        if self.signatures is None:
-            if settings.allow_unsigned:
-                log.warning(
-                    "security.unsigned_requests_allowed",
-                    detail="TWILIO_AUTH_TOKEN is not set and IVR_ALLOW_UNSIGNED=true: anyone who "
-                    "can reach this server can place calls. Development only.",
-                )
-            else:
-                log.error(
-                    "security.calls_refused",
-                    detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
-                    "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
-                )
-        self.rest = rest_from_settings(settings)
-        if self.rest is not None:
-            self.on_close(self.rest.aclose)
+        _warn_about_auth(self.services.auth)
         metrics.watch_store(self.store)
-        start_store = getattr(self.store, "start", None)
-        if start_store is not None:
-            await start_store()
-        if self._llm is None:
-            self._llm = await self._start_llm()
-        for engine in (self.stt, self.tts):
-            warm = getattr(engine, "warm", None)
-            if warm is not None:
-                await warm()
-        added = await self.prompts.warm(self.tts, sorted(self.static_prompts()))
-        for factory in self._background_factories:
-            task = asyncio.create_task(factory())
-            task.add_done_callback(_report_background_failure)
-            self._background.append(task)
+        metrics.CAPACITY_CALLS.set(self.admission.max_calls)
+        metrics.READY.set_function(lambda: float(self.admission.ready))
+        self._lag_task = asyncio.create_task(self.admission.lag.run(), name="loop-lag")
+        self._lag_task.add_done_callback(_report_watcher_failure)
+        await self.store.start()
+        await self.llm.start()
+        await self.stt.warm()
+        await self.tts.warm()
+        texts = self.flows.static_prompts() if self._prewarm_prompts else []
+        added = await self.services.prompts.warm(self.tts, texts)
+        self._watcher = asyncio.create_task(self.flows.watch(), name="flows-watcher")
+        self._watcher.add_done_callback(_report_watcher_failure)
         log.info(
             "gateway.started",
             instance=self.instance_id,
@@ -136,36 +119,163 @@ class Gateway:
             prompts_cached=added,
         )
 
-    async def _start_llm(self) -> LanguageModel:
-        settings = self.settings
-        if not settings.use_local_llm:
-            return build_llm(
-                settings,
-                base_url=settings.llm_base_url,
-                api_key=settings.llm_api_key,
-                model=settings.llm_model,
-            )
-        from ivr.llm.local_server import LocalLlmServer
-
-        log.info("llm.offline", detail="no LLM API key set: starting the offline model server")
-        server: Any = await self._exit.enter_async_context(LocalLlmServer())
-        return build_llm(
-            settings, base_url=server.base_url, api_key=server.api_key, model=server.model
-        )
+    async def drain(self) -> DrainResult:
+        """Stop taking calls and let the live ones end or move (``IVR_DRAIN_SECONDS`` at most)."""
+        return await drain(self.services, seconds=self.settings.drain_seconds)
 
     async def aclose(self) -> None:
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self._background.clear()
-        for closeable in (self._llm, self.stt, self.tts, self.store):
-            if closeable is not None:
-                with contextlib.suppress(Exception):
-                    await closeable.aclose()
-        await self._exit.aclose()
+        for task in (self._watcher, self._lag_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._watcher = self._lag_task = None
+        rest = self.services.rest
+        closers = [self.llm.aclose, self.stt.aclose, self.tts.aclose, self.store.aclose]
+        closers += [self._flow_http.aclose] + ([rest.aclose] if rest is not None else [])
+        for close in closers:
+            with contextlib.suppress(Exception):  # close everything even if one part fails
+                await close()
 
 
-def _report_background_failure(task: asyncio.Task[None]) -> None:
-    """A background job (the flows watcher) must never die silently."""
+def build_gateway(
+    settings: Settings,
+    *,
+    stt: SpeechToText | None = None,
+    tts: TextToSpeech | None = None,
+    llm: LanguageModel | None = None,
+    prewarm_prompts: bool = True,
+) -> Gateway:
+    """Wire one gateway from ``settings``; the given providers replace the configured ones.
+
+    Loads the flows now: a broken flow raises ``FlowLoadError`` listing every problem.
+    """
+    if not settings.instance_id:
+        settings = settings.model_copy(update={"instance_id": new_instance_id()})
+    store = build_store(settings, settings.instance_id)
+    stt = stt or build_stt(settings)
+    tts = tts or build_tts(settings)
+    llm = llm or _configured_llm(settings)
+    prompts = PromptCache()
+    flow_http = httpx.AsyncClient(timeout=FLOW_HTTP_TIMEOUT)
+    registry = FlowRegistry(settings.flows_dir)
+    registry.load()
+    flows = FlowConversation(
+        registry,
+        store=store,
+        llm=llm,
+        http=flow_http,
+        prompts=prompts,
+        tts=tts,
+        sources_ttl=float(settings.call_ttl_seconds),
+        resume_prompt=settings.resume_prompt,
+    )
+    tokens = StreamTokens.from_secret(settings.stream_token_secret or settings.twilio_auth_token)
+    live = LiveCalls()
+    services = CallServices(
+        instance_id=settings.instance_id,
+        store=store,
+        stt=stt,
+        tts=tts,
+        llm_name=llm.name,
+        prompts=prompts,
+        conversation=flows,
+        new_endpointer=endpointer_factory(settings),
+        playout_lead=settings.playout_lead_ms / 1000,
+        auth=_stream_auth(settings),
+        tokens=tokens,
+        connector=StreamConnector(tokens, store, settings.public_url, settings.public_ws_base),
+        live=live,
+        rest=rest_from_settings(settings),
+    )
+    return Gateway(
+        settings,
+        services,
+        flows,
+        llm,
+        flow_http=flow_http,
+        admission=build_admission(settings, live, store),
+        prewarm_prompts=prewarm_prompts,
+    )
+
+
+def build_admission(settings: Settings, live: LiveCalls, store: CallStore) -> Admission:
+    return Admission(
+        live=live,
+        lag=LoopLagMonitor(settings.max_loop_lag_ms / 1000),
+        store=store,
+        max_calls=settings.max_calls,
+        overflow=settings.overflow,
+        overflow_number=settings.overflow_number,
+    )
+
+
+def build_store(settings: Settings, instance_id: str) -> CallStore:
+    """Redis when a URL is set (wrapped so calls survive a Redis outage), else in-memory."""
+    if not settings.redis_url:
+        return MemoryCallStore(ended_ttl=settings.call_ttl_seconds)
+    redis = RedisCallStore(
+        settings.redis_url, prefix=settings.redis_prefix, ended_ttl=settings.call_ttl_seconds
+    )
+    budget = settings.redis_budget_ms / 1000
+    return ResilientCallStore(redis, instance_id=instance_id, budget=budget)
+
+
+def endpointer_factory(settings: Settings) -> Callable[[], Endpointer]:
+    """A fresh endpointer per call, with the VAD and silence settings of this gateway."""
+    config = EndpointConfig(
+        silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms
+    )
+
+    def new_vad() -> VoiceActivityDetector:
+        if settings.vad == "silero":
+            return GatedSileroVad(shared_pool(settings.silero_threshold))
+        return WebRtcVad(settings.vad_mode)
+
+    return lambda: Endpointer(new_vad(), config)
+
+
+def _configured_llm(settings: Settings) -> LanguageModel:
+    if not settings.use_local_llm:
+        return build_llm(
+            settings,
+            base_url=settings.llm_base_url,
+            api_key=settings.llm_api_key,
+            model=settings.llm_model,
+        )
+    return OfflineLlm(
+        lambda base_url, api_key, model: build_llm(
+            settings, base_url=base_url, api_key=api_key, model=model
+        )
+    )
+
+
+def _stream_auth(settings: Settings) -> StreamAuth:
+    signatures = (
+        SignatureChecker(settings.twilio_auth_token, settings.public_url, settings.public_ws_base)
+        if settings.twilio_auth_token
+        else None
+    )
+    return StreamAuth(signatures, allow_unsigned=settings.allow_unsigned)
+
+
+def _warn_about_auth(auth: StreamAuth) -> None:
+    if auth.signatures is not None:
+        return
+    if auth.allow_unsigned:
+        log.warning(
+            "security.unsigned_requests_allowed",
+            detail="TWILIO_AUTH_TOKEN is not set and IVR_ALLOW_UNSIGNED=true: anyone who "
+            "can reach this server can place calls. Development only.",
+        )
+    else:
+        log.error(
+            "security.calls_refused",
+            detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
+            "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
+        )
+
+
+def _report_watcher_failure(task: asyncio.Task[None]) -> None:
+    """The flows watcher must never die silently."""
     if not task.cancelled() and task.exception() is not None:
         log.error("gateway.background_failed", task=task.get_name(), exc_info=task.exception())

@@ -1,12 +1,21 @@
-"""Assemble and run a gateway process: settings -> store -> gateway -> flows -> app -> uvicorn."""
+"""Run a gateway process: settings -> ``build_gateway`` -> app -> uvicorn.
+
+SIGTERM (or SIGINT) drains instead of stopping: readiness goes false at once and live calls end
+or move to other instances (``Gateway.drain``, ``IVR_DRAIN_SECONDS`` at most) while the server
+keeps serving them; then uvicorn shuts down as usual. A second signal ends the drain at once
+(streams still open are closed; Twilio resumes them elsewhere through the action URL); a third
+exits without waiting for anything.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import FrameType
 
 import structlog
 import uvicorn
@@ -14,44 +23,10 @@ from fastapi import FastAPI
 
 from ivr.app import create_app
 from ivr.config import Settings
-from ivr.conversation import attach_flows
-from ivr.gateway import Gateway, new_instance_id
-from ivr.llm.base import LanguageModel
+from ivr.gateway import Gateway, build_gateway
 from ivr.obs.logging import configure_logging
-from ivr.state.base import CallStore
-from ivr.state.memory import MemoryCallStore
-from ivr.state.resilient import ResilientCallStore
-from ivr.stt.base import SpeechToText
-from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.server")
-
-
-def build_store(settings: Settings, instance_id: str) -> CallStore:
-    """Redis when a URL is set (wrapped so calls survive a Redis outage), else in-memory."""
-    if not settings.redis_url:
-        return MemoryCallStore(ended_ttl=settings.call_ttl_seconds)
-    from ivr.state.redis_store import RedisCallStore
-
-    redis = RedisCallStore(
-        settings.redis_url, prefix=settings.redis_prefix, ended_ttl=settings.call_ttl_seconds
-    )
-    return ResilientCallStore(redis, instance_id=instance_id)
-
-
-def build_gateway(
-    settings: Settings,
-    *,
-    stt: SpeechToText | None = None,
-    tts: TextToSpeech | None = None,
-    llm: LanguageModel | None = None,
-) -> Gateway:
-    if not settings.instance_id:
-        settings = settings.model_copy(update={"instance_id": new_instance_id()})
-    store = build_store(settings, settings.instance_id)
-    gateway = Gateway(settings, store=store, stt=stt, tts=tts, llm=llm)
-    attach_flows(gateway)
-    return gateway
 
 
 @dataclass(slots=True)
@@ -93,12 +68,56 @@ async def running_server(
         await asyncio.gather(task, return_exceptions=True)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose exit signals drain the gateway first (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self._gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await super().serve(sockets)
+        finally:
+            if self._drain is not None:
+                self._drain.cancel()
+                await asyncio.gather(self._drain, return_exceptions=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: only flags and a thread-safe hand-off to the loop here.
+        self._signals += 1
+        name = signal.Signals(sig).name
+        if self._signals == 1 and self._loop is not None and self.started:
+            log.info("server.drain_requested", signal=name)
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        log.warning("server.exit_now", signal=name, signals=self._signals)
+        self.should_exit = True
+        if self._signals >= 3:
+            self.force_exit = True
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.create_task(self._drain_then_exit(), name="drain")
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._gateway.drain()
+        except Exception:  # never keep a process that was told to stop
+            log.exception("server.drain_failed")
+        self.should_exit = True
+
+
 async def serve(host: str | None = None, port: int | None = None) -> int:
     settings = Settings()
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, log_pii=settings.log_pii)
     gateway = build_gateway(settings)
     app = create_app(gateway)
-    await uvicorn.Server(uvicorn_config(app, host or settings.host, port or settings.port)).serve()
+    config = uvicorn_config(app, host or settings.host, port or settings.port)
+    await DrainingServer(config, gateway).serve()
     return 0
 
 

@@ -12,8 +12,9 @@ import structlog
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 from ivr.config import Settings
+from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
-from ivr.server import RunningServer, build_gateway, running_server
+from ivr.server import RunningServer, running_server
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.openai_http import OpenAIHttpTts

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -283,12 +284,15 @@ async def test_a_stream_that_drops_during_the_goodbye_prompt_ends_the_call_inste
 async def test_a_conversation_that_raises_ends_with_hangup_after_one_stream(
     gateway_factory: GatewayFactory, tmp_path: Path
 ) -> None:
-    async def broken(io: CallIO, record: CallRecord) -> None:
-        await io.say("Hello.")
-        raise RuntimeError("flow bug")  # fails again on every resume
+    class Broken:
+        async def run(self, io: CallIO, record: CallRecord) -> None:
+            await io.say("Hello.")
+            raise RuntimeError("flow bug")  # fails again on every resume
 
     async with gateway_factory(flows_dir=write_flow(tmp_path, MENU_FLOW)) as server:
-        server.gateway.conversation = broken  # the gateway's conversation seam
+        # The conversation seam of the per-call services, swapped for a flow that fails.
+        gateway = server.gateway
+        gateway.services = dataclasses.replace(gateway.services, conversation=Broken())
         twiml = await voice(server.base_url, "CA2")
         streams = 0
         while (path := stream_path(twiml)) is not None and streams < 4:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ivr.demo import run_demo
-from ivr.llm.local_server import available
+from ivr.engines.llm_server import available
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 

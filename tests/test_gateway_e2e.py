@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import secrets
 
 import httpx
 import pytest
 import websockets
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from structlog.testing import capture_logs
 from twilio.request_validator import RequestValidator
 
 from ivr.sim.caller import place_call
@@ -59,6 +61,39 @@ async def test_a_spoken_exchange_goes_through_stt_llm_and_tts(
     reply = report.turns[-1]
     assert reply.latency_s is not None and 0.3 < reply.latency_s < 1.5
     assert report.marks_echoed >= 2
+
+
+async def test_a_call_ends_with_one_summary_line_and_its_latency_as_heard(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = [ChatScript(text="We are open nine to five.")]
+    async with gateway_factory() as server:
+        with capture_logs() as logs:
+            report = await place_call(
+                server.base_url,
+                script=["What are your opening hours?"],
+                auth_token=AUTH_TOKEN,
+                public_base_url=PUBLIC_URL,
+            )
+            await asyncio.sleep(0.2)  # the stream's teardown logs after the caller hangs up
+        record = await server.gateway.store.get(report.call_sid)
+        metrics = (await httpx.AsyncClient().get(f"{server.base_url}/metrics")).text
+    assert not report.errors, report.format_transcript()
+    ended = [e for e in logs if e["event"] == "call.ended"]
+    assert len(ended) == 1, [e["event"] for e in logs]
+    summary = ended[0]
+    assert summary["outcome"] == "stop" and summary["turns"] == 1 and summary["resumes"] == 0
+    assert summary["flow"] and summary["duration_s"] > 0
+    # Heard = sent + Twilio's playout of one frame and the echo's trip: a little later.
+    reply = report.turns[-1]
+    assert reply.latency_s is not None
+    assert summary["total_p50_ms"] <= summary["heard_p50_ms"] <= summary["total_p50_ms"] + 200
+    assert abs(summary["heard_p50_ms"] / 1000 - reply.latency_s) < 0.15  # what the caller measured
+    assert record is not None and "heard" in record.turns[-1]
+    assert "ivr_turn_heard_latency_seconds_count" in metrics
+    flat = json.dumps(summary)
+    assert "5550001111" not in flat and "5550002222" not in flat  # place_call's numbers: no PII
 
 
 async def test_barge_in_clears_twilio_and_keeps_only_the_heard_text(
@@ -145,6 +180,17 @@ async def test_without_an_auth_token_calls_are_refused_unless_development_mode(
         assert (await voice_webhook(server.base_url, "CA1", signature="")).status_code == 403
     async with gateway_factory(twilio_auth_token="", allow_unsigned=True) as server:
         assert (await voice_webhook(server.base_url, "CA1", signature="")).status_code == 200
+
+
+async def test_public_routes_show_no_api_schema_and_no_host_details(
+    gateway_factory: GatewayFactory,
+) -> None:
+    async with gateway_factory() as server, httpx.AsyncClient(base_url=server.base_url) as http:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await http.get(path)).status_code == 404, path
+        health = await http.get("/healthz")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert str(os.getpid()) not in health.text
 
 
 async def open_stream(base: str, path: str, signature: str) -> websockets.ClientConnection:

@@ -13,7 +13,7 @@ from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory, record_of
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
-from ivr.flows.audio_test import fast_speak, speech_seconds
+from ivr.flowtools.audio_test import fast_speak, speech_seconds
 from ivr.server import RunningServer
 from ivr.sim.caller import CallReport, place_call
 from ivr.sim.rest_api import FakeTwilioRestApi
@@ -157,29 +157,12 @@ def rest_client(api: FakeTwilioRestApi, *, timeout: float = 5.0) -> TwilioRest:
     return TwilioRest(api.account_sid, api.auth_token, api_base_url=api.url, timeout=timeout)
 
 
-async def test_hanging_up_a_call_twilio_no_longer_knows_counts_as_done(
+async def test_redirecting_a_call_twilio_no_longer_knows_is_a_false(
     rest_api: FakeTwilioRestApi,
 ) -> None:
     async with rest_client(rest_api) as rest:
-        assert await rest.hangup("CA" + "0" * 32) is True
         assert await rest.redirect("CA" + "0" * 32, "<Response><Hangup/></Response>") is False
-    assert [r.status_code for r in rest_api.requests] == [404, 404]
-
-
-async def test_hangup_completes_a_live_call_and_a_later_redirect_is_refused(
-    rest_api: FakeTwilioRestApi,
-) -> None:
-    seen: list[str | None] = []
-    rest_api.add_call(
-        "CA1", from_="+15550001111", to=SUPPORT, control=lambda u: seen.append(u.status)
-    )
-    async with rest_client(rest_api) as rest:
-        assert await rest.hangup("CA1") is True
-        assert await rest.redirect("CA1", "<Response><Hangup/></Response>") is False  # 21220
-        assert await rest.hangup("CA1") is True
-    assert seen == ["completed"]
-    assert [r.form.get("Status") for r in rest_api.requests] == ["completed", None, "completed"]
-    assert [r.status_code for r in rest_api.requests] == [200, 400, 200]
+    assert [r.status_code for r in rest_api.requests] == [404]
 
 
 async def test_an_unreachable_or_silent_rest_api_is_a_false_within_the_timeout() -> None:
@@ -193,4 +176,4 @@ async def test_an_unreachable_or_silent_rest_api_is_a_false_within_the_timeout()
             assert asyncio.get_running_loop().time() - started < 1.0
     closed = TwilioRest("AC1", "token", api_base_url=f"http://127.0.0.1:{port}", timeout=2.0)
     async with closed:
-        assert await closed.hangup("CA1") is False  # connection refused: logged, not raised
+        assert await closed.redirect("CA1", "<Response/>") is False  # refused: logged, not raised

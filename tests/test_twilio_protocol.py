@@ -89,6 +89,12 @@ def test_unknown_events_are_returned_not_raised() -> None:
         ('{"event": "mark", "mark": {}}', "bad_mark"),
         ('{"event": "media", "sequenceNumber": "x", "media": {"payload": "AA=="}}', "bad_media"),
         ("x" * (twilio.MAX_MESSAGE_CHARS + 1), "oversized_frame"),
+        # Numbers Python's json accepts but int() cannot take (they killed the receive loop).
+        ('{"event": "media", "sequenceNumber": 1e999, "media": {"payload": "AA=="}}', "bad_media"),
+        ('{"event": "media", "media": {"payload": "AA==", "timestamp": Infinity}}', "bad_json"),
+        ('{"event": "mark", "sequenceNumber": NaN, "mark": {"name": "g0:1"}}', "bad_json"),
+        # Nested deeper than the parser's recursion limit (RecursionError ended the stream).
+        ('{"event": "media", "x": ' + "[" * 30_000 + "]" * 30_000 + "}", "bad_json"),
     ],
 )
 def test_malformed_input_raises_protocol_error_naming_the_reason(

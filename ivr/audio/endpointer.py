@@ -139,6 +139,10 @@ class Endpointer:
             return 0
         return max(0, self._voiced - self._hangover_frames) * self._vad.frame_ms
 
+    def close(self) -> None:
+        """The call is over: give back what the VAD holds (a pooled Silero model)."""
+        self._vad.close()
+
     def reset(self) -> None:
         """Forget everything, including an utterance in progress (no event is emitted)."""
         self._preroll.clear()

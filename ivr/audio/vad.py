@@ -38,6 +38,10 @@ class VoiceActivityDetector(Protocol):
         """``frame`` is exactly ``sample_rate * frame_ms / 1000`` PCM16 samples."""
         ...
 
+    def close(self) -> None:
+        """Give back what the detector holds (a pooled model); it may be used again after."""
+        ...
+
 
 class WebRtcVad:
     """Google's WebRTC GMM VAD (webrtcvad-wheels).
@@ -89,6 +93,9 @@ class WebRtcVad:
             self._warmup -= 1
             return False
         return speech
+
+    def close(self) -> None:
+        """Nothing to give back: the GMM is the detector's own."""
 
 
 class SileroVad:
@@ -173,3 +180,6 @@ class SileroVad:
         self._model.reset()
         self._fill = 0
         self._speaking = False
+
+    def close(self) -> None:
+        """Nothing to give back: the model is this detector's own (pools reuse it)."""

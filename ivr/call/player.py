@@ -4,13 +4,15 @@ Bot speech is a sequence of *segments* (one per sentence). Each segment's mu-law
 in 20 ms multiples, paced so that at most ``lead`` seconds are queued at Twilio ahead of its
 playout clock (so a ``clear`` discards little and costs nothing), and is followed by a mark
 named ``g<generation>:<seq>``. Twilio echoes a mark once the audio before it has played, and
-echoes *every* pending mark at once on ``clear``; bumping the generation on interrupt is what
-lets us tell those apart from real playback.
+echoes *every* pending mark at once on ``clear``, possibly after new speech has begun. An
+interrupt starts a new generation and numbers its segments from 1 again, so the generation in
+a mark's name is the one thing that tells a stale echo from real playback of new speech.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -21,7 +23,8 @@ BYTES_PER_SECOND = 8000
 ULAW_SILENCE = b"\xff"
 SPOKEN_S_PER_CHAR = 0.06  # ~16 characters a second, typical of TTS voices
 
-SendText = Callable[[str], Awaitable[None]]
+_MARK_NAME = re.compile(r"g(\d+):(\d+)(h?)")
+FRAME_SECONDS = FRAME_BYTES / BYTES_PER_SECOND
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +41,9 @@ class Segment:
     """Estimated time Twilio starts playing this segment (from our playout clock)."""
     played: asyncio.Event = field(default_factory=asyncio.Event)
     dropped: bool = False
+    on_first_heard: Callable[[float], None] | None = None
+    """When set, the first frame goes out alone, followed by a probe mark; its echo (Twilio
+    played that frame) calls this with the echo's arrival time less one frame."""
 
     @property
     def duration(self) -> float:
@@ -108,7 +114,8 @@ class AudioPlayer:
         self._send_lock = asyncio.Lock()
         self._generation = 0
         self._seq = 0
-        self._segments: dict[str, Segment] = {}
+        self._segments: dict[int, Segment] = {}
+        """This generation's segments whose mark has not echoed yet, by seq."""
         self._pending_tail: dict[int, bytearray] = {}
         self._playout_end = 0.0
 
@@ -121,7 +128,7 @@ class AudioPlayer:
     def open_segment(self, text: str) -> Segment:
         self._seq += 1
         segment = Segment(text=text, generation=self._generation, seq=self._seq)
-        self._segments[self._mark_name(segment)] = segment
+        self._segments[segment.seq] = segment
         return segment
 
     async def write(self, segment: Segment, ulaw: bytes) -> None:
@@ -183,6 +190,7 @@ class AudioPlayer:
         """Drop everything not yet played: local queue and Twilio's buffer."""
         now = self._clock()
         self._generation += 1
+        self._seq = 0
         for segment in self._segments.values():
             if not segment.played.is_set():
                 segment.dropped = segment.heard_fraction(now) < 1.0
@@ -197,19 +205,27 @@ class AudioPlayer:
             await self._send_clear()
 
     def on_mark(self, name: str) -> None:
-        segment = self._segments.pop(name, None)
-        # Marks of a cleared generation echo at once on `clear`: they prove nothing was heard.
-        if segment is None or segment.generation != self._generation:
+        match = _MARK_NAME.fullmatch(name)
+        if match is None:
+            return  # not one of ours
+        # Marks of a cleared generation echo on `clear`: they prove nothing was heard, and
+        # their seq may equal that of a segment of the new generation.
+        if int(match[1]) != self._generation:
             return
-        segment.played.set()
+        seq = int(match[2])
+        if match[3]:  # the probe after the first frame: the caller started hearing it
+            probed = self._segments.get(seq)
+            if probed is not None and probed.on_first_heard is not None:
+                probed.on_first_heard(self._clock() - FRAME_SECONDS)
+            return
+        segment = self._segments.pop(seq, None)
+        if segment is not None:
+            segment.played.set()
 
     @property
     def speaking(self) -> bool:
         """True while bot audio is queued here or still playing at Twilio."""
         return bool(self._queue) or self._clock() < self._playout_end
-
-    def buffered_seconds(self) -> float:
-        return self._queued_bytes / BYTES_PER_SECOND + max(0.0, self._playout_end - self._clock())
 
     # -- sender task ----------------------------------------------------------------------
 
@@ -233,8 +249,10 @@ class AudioPlayer:
                 if segment.generation == self._generation:
                     await self._send_mark(self._mark_name(segment))
             return
-        chunk = audio[: self._chunk_bytes]
-        rest = audio[self._chunk_bytes :]
+        probe = segment.on_first_heard is not None and segment.first_sent_at is None
+        size = FRAME_BYTES if probe else self._chunk_bytes
+        chunk = audio[:size]
+        rest = audio[size:]
         if rest:
             self._queue[0] = (segment, rest)
         else:
@@ -255,6 +273,8 @@ class AudioPlayer:
                 self._on_first_media = None
             self._playout_end = start + len(chunk) / BYTES_PER_SECOND
             await self._send_media(chunk)
+            if probe:
+                await self._send_mark(self._mark_name(segment) + "h")
 
     @staticmethod
     def _mark_name(segment: Segment) -> str:

@@ -13,20 +13,34 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import structlog
+from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ivr.audio.endpointer import EndpointConfig, Endpointer
-from ivr.audio.gated_vad import GatedSileroVad, shared_pool
-from ivr.audio.vad import WebRtcVad
+from ivr.audio.endpointer import Endpointer
+from ivr.call.connect import CallParams, record_from_start
+from ivr.call.live import LiveCall
+from ivr.call.moves import MovedCallSession
 from ivr.call.player import AudioPlayer
-from ivr.call.session import CallEnd, CallSession
+from ivr.call.services import CallServices
+from ivr.call.session import CallEnd, CallSession, EndAction
+from ivr.call.summary import log_summary
+from ivr.call.tokens import StreamClaims, TokenRefused, admit
 from ivr.errors import ProtocolError
-from ivr.gateway import Gateway
 from ivr.obs import metrics
-from ivr.state.base import CallRecord, CallStatus, StreamSuperseded, fenced
+from ivr.state.base import (
+    CallExists,
+    CallNotFound,
+    CallRecord,
+    CallStatus,
+    StoreError,
+    StoreUnavailable,
+    StreamSuperseded,
+    fenced,
+)
 from ivr.telephony import twilio
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
@@ -35,22 +49,64 @@ log = structlog.get_logger("ivr.stream")
 START_TIMEOUT = 10.0
 # After a REST redirect Twilio sends `stop` within moments; past this we close the WS ourselves.
 REDIRECT_STOP_TIMEOUT = 5.0
+# A call this instance carried without the shared store (Redis away, record rebuilt from
+# `start`) ends by keeping the line open until the caller hangs up, for at most this long: the
+# <Connect action> request may land on an instance that cannot know the flow hung up.
+HANGUP_HOLD_SECONDS = 20.0
 POLICY_VIOLATION = 1008
+
+
+class StreamOutcome(StrEnum):
+    """Why a call left this stream (the ``outcome`` label of ``ivr_calls_total``)."""
+
+    STOP = "stop"
+    """Twilio sent ``stop``: the caller hung up (or a redirect completed)."""
+    DISCONNECT = "disconnect"
+    """The socket dropped without ``stop``: the call may resume on a new stream."""
+    HANGUP = "hangup"
+    TRANSFER = "transfer"
+    ERROR = "error"
+    """The flow failed: the call ends, it is never resumed into the same failure."""
+    SUPERSEDED = "superseded"
+    """A newer stream carries the call: this one must leave the record alone."""
+    MOVED = "moved"
+    """A draining instance redirected the call to a new stream (a planned move)."""
+
+
+_CALL_OVER = frozenset(
+    {StreamOutcome.STOP, StreamOutcome.HANGUP, StreamOutcome.TRANSFER, StreamOutcome.ERROR}
+)
+"""Outcomes after which no stream of this call follows (no resume)."""
 
 
 @dataclass(slots=True)
 class _Outcome:
-    reason: str = "disconnect"  # "stop" | "disconnect" | "hangup" | "transfer" | "error"
+    reason: StreamOutcome = StreamOutcome.DISCONNECT
     end: CallEnd | None = None
     session: CallSession | None = None
     redirected: bool = False
     """Twilio took the call over through a REST update (transfer): our part of it is over."""
+    live: LiveCall | None = None
+    rebuilt: bool = False
+    """The record was rebuilt from ``start``: no other instance can read how the call ends."""
 
 
-async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
-    call_sid = await _authorise(ws, token, gateway)
-    if call_sid is None:
+@dataclass(slots=True)
+class _CallTasks:
+    receive: asyncio.Task[StreamOutcome]
+    conversation: asyncio.Task[None]
+    workers: tuple[asyncio.Task[None], ...]
+
+    @property
+    def all(self) -> set[asyncio.Task[Any]]:
+        return {self.receive, self.conversation, *self.workers}
+
+
+async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> None:
+    claims = await _authorise(ws, token, services)
+    if claims is None:
         return
+    call_sid = claims.call_sid
     await ws.accept()
     try:
         start = await asyncio.wait_for(_wait_for_start(ws), START_TIMEOUT)
@@ -70,33 +126,49 @@ async def handle_stream(ws: WebSocket, token: str, gateway: Gateway) -> None:
     ):
         metrics.ACTIVE_CALLS.inc()
         outcome = _Outcome()
+        started = time.monotonic()
         try:
-            await _run_call(ws, start, gateway, outcome)
+            await _run_call(ws, start, services, outcome, claims.planned)
         finally:
             metrics.ACTIVE_CALLS.dec()
-            metrics.CALLS.labels(outcome.reason).inc()
-            await _finish(gateway, start, outcome)
+            metrics.CALLS.labels(outcome.reason.value).inc()
+            record = await _finish(services, start, outcome)
             await _close(ws, 1000)
-            log.info("call.stream_ended", outcome=outcome.reason)
+            log_summary(
+                record,
+                outcome.session.stats if outcome.session is not None else None,
+                outcome=outcome.reason.value,
+                final=outcome.reason in _CALL_OVER,
+                started=started,
+            )
 
 
-async def _authorise(ws: WebSocket, token: str, gateway: Gateway) -> str | None:
-    if gateway.signatures is not None:
+async def _authorise(ws: WebSocket, token: str, services: CallServices) -> StreamClaims | None:
+    signatures = services.auth.signatures
+    if signatures is not None:
         signature = ws.headers.get("x-twilio-signature", "")
-        if not gateway.signatures.check_stream(ws.url.path, signature):
-            log.warning("stream.bad_signature", url=gateway.signatures.stream_url(ws.url.path))
+        if not signatures.check_stream(ws.url.path, signature):
+            log.warning("stream.bad_signature", url=signatures.stream_url(ws.url.path))
             metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
             await ws.close(POLICY_VIOLATION)
             return None
-    elif not gateway.accepts_unsigned:
+    elif not services.auth.accepts_unsigned:
         await ws.close(POLICY_VIOLATION)
         return None
-    call_sid = await gateway.store.redeem_stream_token(token)
-    if call_sid is None:
-        log.warning("stream.unknown_token")
-        metrics.PROTOCOL_ERRORS.labels("bad_token").inc()
-        await ws.close(POLICY_VIOLATION)
-    return call_sid
+    if services.live.draining:
+        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
+        log.info("stream.refused_draining")
+        await ws.send_denial_response(Response("draining", status_code=503))
+        return None
+    try:
+        return await admit(services.tokens, services.store, token)
+    except TokenRefused as exc:
+        log.warning("stream.token_refused", reason=exc.reason, detail=str(exc))
+        metrics.PROTOCOL_ERRORS.labels(exc.reason).inc()
+    except StoreError as exc:  # not StoreUnavailable (the store degrades instead): a bug
+        log.error("stream.token_store_failed", error=repr(exc))
+    await ws.close(POLICY_VIOLATION)
+    return None
 
 
 async def _wait_for_start(ws: WebSocket) -> Start:
@@ -111,114 +183,146 @@ async def _wait_for_start(ws: WebSocket) -> Start:
             raise ProtocolError("stop_before_start")
 
 
-async def _run_call(ws: WebSocket, start: Start, gateway: Gateway, outcome: _Outcome) -> None:
+def _new_player(ws: WebSocket, start: Start, services: CallServices) -> AudioPlayer:
     started = time.monotonic()
-    record = await _attach(gateway, start)
 
     def first_media(sent_at: float) -> None:
         metrics.FIRST_AUDIO.observe(sent_at - started)
         log.info("call.first_audio", seconds=round(sent_at - started, 4))
 
     send = ws.send_text  # only the player sends, under its own lock
-    player = AudioPlayer(
-        send_media=lambda ulaw: send(twilio.media_message(start.stream_sid, ulaw)),
-        send_mark=lambda name: send(twilio.mark_message(start.stream_sid, name)),
-        send_clear=lambda: send(twilio.clear_message(start.stream_sid)),
-        lead_seconds=gateway.settings.playout_lead_ms / 1000,
+    sid = start.stream_sid
+    return AudioPlayer(
+        send_media=lambda ulaw: send(twilio.media_message(sid, ulaw)),
+        send_mark=lambda name: send(twilio.mark_message(sid, name)),
+        send_clear=lambda: send(twilio.clear_message(sid)),
+        lead_seconds=services.playout_lead,
         on_first_media=first_media,
     )
-    settings = gateway.settings
-    vad = (
-        GatedSileroVad(shared_pool(settings.silero_threshold))
-        if settings.vad == "silero"
-        else WebRtcVad(settings.vad_mode)
+
+
+async def _run_call(
+    ws: WebSocket, start: Start, services: CallServices, outcome: _Outcome, planned: bool
+) -> None:
+    player = _new_player(ws, start, services)
+    record, rebuilt = await _attach(services, start, planned)
+    outcome.rebuilt = rebuilt
+    endpointer = services.new_endpointer()
+    # A planned move skips what the flow says before it listens again; not on a rebuilt
+    # record, whose flow starts from its greeting.
+    moved = planned and not rebuilt and bool(record.flow_state)
+    session = _new_session(services, player, endpointer, outcome, moved=moved)
+    outcome.session = session
+    live = LiveCall(CallParams.of(record), start.stream_sid, session, lambda: _close(ws, 1000))
+    outcome.live = live
+    log.info(
+        "call.stream_started", resumed=record.stream_count > 1, planned=planned, rebuilt=rebuilt
     )
-    endpointer = Endpointer(
-        vad,
-        EndpointConfig(
-            silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms
+    tasks = _CallTasks(
+        receive=asyncio.create_task(_receive(ws, session), name="receive"),
+        conversation=asyncio.create_task(
+            services.conversation.run(session, record), name="conversation"
+        ),
+        workers=(
+            asyncio.create_task(player.run_sender(), name="sender"),
+            asyncio.create_task(session.run_stt(), name="stt"),
         ),
     )
-
-    def on_end(end: CallEnd) -> None:
-        outcome.end = end
-
-    session = CallSession(
-        player=player,
-        endpointer=endpointer,
-        stt=gateway.stt,
-        tts=gateway.tts,
-        prompts=gateway.prompts,
-        on_end=on_end,
-        llm_name=gateway.llm.name,
-    )
-    log.info("call.stream_started", resumed=record.stream_count > 1)
-    receive = asyncio.create_task(_receive(ws, session), name="receive")
-    tasks = {
-        receive,
-        asyncio.create_task(player.run_sender(), name="sender"),
-        asyncio.create_task(session.run_stt(), name="stt"),
-    }
-    conversation = (
-        asyncio.create_task(gateway.conversation(session, record), name="conversation")
-        if gateway.conversation is not None
-        else None
-    )
-    if conversation is not None:
-        tasks.add(conversation)
-    outcome.session = session
+    services.live.add(live)
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        # The caller hanging up outranks whatever else finished in the same wake-up.
-        finished = receive if receive in done else done.pop()
-        _record_outcome(outcome, finished, conversation)
-        if finished is conversation and outcome.end and outcome.end.action == "transfer":
-            outcome.redirected = await _transfer_by_rest(
-                gateway, start.call_sid, outcome.end, receive
-            )
-            if not outcome.redirected and _ended_by_stop(receive):
-                outcome.reason = "stop"  # the caller hung up during the handoff
+        await _until_first_ends(tasks, services, start, outcome)
     finally:
-        for task in tasks:
+        for task in tasks.all:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(vad, GatedSileroVad):
-            vad.close()
-    if outcome.reason in ("stop", "disconnect"):
+        await asyncio.gather(*tasks.all, return_exceptions=True)
+        endpointer.close()
+        services.live.remove(live)
+    if outcome.reason in (StreamOutcome.STOP, StreamOutcome.DISCONNECT):
         session.on_hangup()
 
 
-def _ended_by_stop(receive: asyncio.Task[str]) -> bool:
+def _new_session(
+    services: CallServices,
+    player: AudioPlayer,
+    endpointer: Endpointer,
+    outcome: _Outcome,
+    *,
+    moved: bool,
+) -> CallSession:
+    def on_end(end: CallEnd) -> None:
+        outcome.end = end
+
+    kind = MovedCallSession if moved else CallSession
+    return kind(
+        player=player,
+        endpointer=endpointer,
+        stt=services.stt,
+        tts=services.tts,
+        prompts=services.prompts,
+        on_end=on_end,
+        llm_name=services.llm_name,
+    )
+
+
+async def _until_first_ends(
+    tasks: _CallTasks, services: CallServices, start: Start, outcome: _Outcome
+) -> None:
+    done, _ = await asyncio.wait(tasks.all, return_when=asyncio.FIRST_COMPLETED)
+    # The caller hanging up outranks whatever else finished in the same wake-up.
+    finished = tasks.receive if tasks.receive in done else done.pop()
+    _record_outcome(outcome, finished, tasks.conversation)
+    moving = outcome.live is not None and outcome.live.moving
+    if moving and outcome.reason in (StreamOutcome.STOP, StreamOutcome.DISCONNECT):
+        outcome.reason = StreamOutcome.MOVED  # the drain redirected the call to a new stream
+        return
+    end = outcome.end
+    if finished is tasks.conversation and end is not None and end.action == EndAction.TRANSFER:
+        outcome.redirected = await _transfer_by_rest(services, start.call_sid, end, tasks.receive)
+        if not outcome.redirected and _ended_by_stop(tasks.receive):
+            outcome.reason = StreamOutcome.STOP  # the caller hung up during the handoff
+    elif (
+        finished is tasks.conversation
+        and outcome.reason == StreamOutcome.HANGUP
+        and outcome.rebuilt
+    ):
+        await _hang_up_without_store(services, start.call_sid, tasks.receive)
+
+
+def _ended_by_stop(receive: asyncio.Task[StreamOutcome]) -> bool:
     if not receive.done() or receive.cancelled() or receive.exception() is not None:
         return False
-    return receive.result() == "stop"
+    return receive.result() == StreamOutcome.STOP
 
 
 def _record_outcome(
-    outcome: _Outcome, finished: asyncio.Task[Any], conversation: asyncio.Task[None] | None
+    outcome: _Outcome, finished: asyncio.Task[Any], conversation: asyncio.Task[None]
 ) -> None:
     """Why the call left this stream, from the task that ended first."""
     error = None if finished.cancelled() else finished.exception()
     if isinstance(error, StreamSuperseded):
-        outcome.reason = "superseded"
+        outcome.reason = StreamOutcome.SUPERSEDED
         log.warning("call.stream_superseded", detail=str(error))
     elif finished is conversation:
         if error is not None:
             log.error("call.flow_failed", exc_info=error)
         # The flow ended (hung up, transferred, failed or simply ran out): never resume it, or
         # Twilio's <Connect action> request would start it again and again.
-        outcome.end = outcome.end or CallEnd("hangup")
-        outcome.reason = "error" if error is not None else outcome.end.action
+        outcome.end = outcome.end or CallEnd(EndAction.HANGUP)
+        outcome.reason = StreamOutcome.ERROR if error is not None else _ended_by(outcome.end)
     elif error is not None:
         # The socket broke under the receive loop or the sender: like a drop, resumable.
         log.warning("call.stream_failed", task=finished.get_name(), error=repr(error))
-        outcome.reason = "disconnect"
+        outcome.reason = StreamOutcome.DISCONNECT
     else:
-        outcome.reason = finished.result() or "disconnect"
+        outcome.reason = finished.result() or StreamOutcome.DISCONNECT
+
+
+def _ended_by(end: CallEnd) -> StreamOutcome:
+    return StreamOutcome.TRANSFER if end.action == EndAction.TRANSFER else StreamOutcome.HANGUP
 
 
 async def _transfer_by_rest(
-    gateway: Gateway, call_sid: str, end: CallEnd, receive: asyncio.Task[str]
+    services: CallServices, call_sid: str, end: CallEnd, receive: asyncio.Task[StreamOutcome]
 ) -> bool:
     """Redirect the call to ``<Dial>`` over REST; on failure the WS is closed as before.
 
@@ -226,16 +330,16 @@ async def _transfer_by_rest(
     answers ``<Dial>`` too. After a redirect Twilio ends the stream with ``stop``: that is the
     transfer completing, not the caller hanging up, so wait for it (bounded) without acting on it.
     """
-    rest = gateway.rest  # one client per gateway: transfers reuse its connection
+    rest = services.rest  # one client per gateway: transfers reuse its connection
     if rest is None:
         return False
 
     def decide(record: CallRecord) -> None:
-        record.end_action, record.transfer_to = end.action, end.number
+        record.end_action, record.transfer_to = end.action.value, end.number
         record.status = CallStatus.TRANSFERRING
 
     try:
-        await gateway.store.update(call_sid, decide)
+        await services.store.update(call_sid, decide)
     except Exception as exc:  # without the stored decision the action path can't Dial either
         log.error("call.transfer_store_failed", error=repr(exc))
     redirected = await rest.redirect(call_sid, twilio.dial_twiml(end.number))
@@ -247,14 +351,33 @@ async def _transfer_by_rest(
     return redirected
 
 
-async def _receive(ws: WebSocket, session: CallSession) -> str:
+async def _hang_up_without_store(
+    services: CallServices, call_sid: str, receive: asyncio.Task[StreamOutcome]
+) -> None:
+    """End a call whose end no other instance can read (its record was rebuilt here).
+
+    Closing the stream would make Twilio ask the <Connect action> URL what next, and the
+    instance that answers holds at best the webhook's copy of the call: it would resume the
+    call after its goodbye. So hang up over REST when we can; otherwise keep the line open,
+    silent, until the caller hangs up (they have heard the goodbye), bounded.
+    """
+    rest = services.rest
+    if rest is not None and await rest.redirect(call_sid, twilio.hangup_twiml()):
+        log.info("call.hangup_redirected", reason="record_not_shared")
+        await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)
+        return
+    log.info("call.hangup_held", reason="record_not_shared", seconds=HANGUP_HOLD_SECONDS)
+    await asyncio.wait({receive}, timeout=HANGUP_HOLD_SECONDS)
+
+
+async def _receive(ws: WebSocket, session: CallSession) -> StreamOutcome:
     """Dispatch Twilio's messages until ``stop`` or the socket closes; never raise on bad input."""
     last_sequence = 0
     reported: set[str] = set()
     while True:
         raw = await ws.receive()
         if raw["type"] == "websocket.disconnect":
-            return "disconnect"
+            return StreamOutcome.DISCONNECT
         text = raw.get("text")
         try:
             message = twilio.parse_message(text if text is not None else raw.get("bytes") or b"")
@@ -275,27 +398,40 @@ async def _receive(ws: WebSocket, session: CallSession) -> str:
         elif isinstance(message, Mark):
             session.on_mark(message.name)
         elif isinstance(message, Stop):
-            return "stop"
+            return StreamOutcome.STOP
         elif isinstance(message, Unknown):
             metrics.UNKNOWN_EVENTS.inc()
 
 
-async def _attach(gateway: Gateway, start: Start) -> CallRecord:
-    """Mark the call as carried by this instance on this stream (a resume bumps stream_count)."""
+async def _attach(services: CallServices, start: Start, planned: bool) -> tuple[CallRecord, bool]:
+    """Mark the call as carried by this instance on this stream (a resume bumps stream_count,
+    a planned move does not). Returns the record and whether it had to be rebuilt from
+    ``start`` because the store has none this instance can read (Redis unreachable)."""
 
     def attach(record: CallRecord) -> None:
         record.stream_sid = start.stream_sid
         record.account_sid = start.account_sid or record.account_sid
         record.status = CallStatus.ACTIVE
-        record.instance_id = gateway.instance_id
-        record.stream_count += 1
+        record.instance_id = services.instance_id
+        if not planned:
+            record.stream_count += 1
 
-    return await gateway.store.update(start.call_sid, attach)
+    store = services.store
+    try:
+        return await store.update(start.call_sid, attach), False
+    except (StoreUnavailable, CallNotFound) as exc:
+        # The token was signed for this CallSid by one of us: the call is real, carry it.
+        log.warning("call.record_rebuilt", reason=str(exc))
+    with contextlib.suppress(CallExists):  # created meanwhile (a racing write-back): use it
+        await store.create(record_from_start(start, services.instance_id))
+    return await store.update(start.call_sid, attach), True
 
 
-async def _finish(gateway: Gateway, start: Start, outcome: _Outcome) -> None:
-    if outcome.reason == "superseded":
-        return  # a newer stream owns the record now
+async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> CallRecord | None:
+    """Store how the call left this stream; the record as stored (None if not)."""
+    if outcome.reason == StreamOutcome.SUPERSEDED:
+        return None  # a newer stream owns the record now
+    store = services.store
     call_sid = start.call_sid
     end = outcome.end
     turns = outcome.session.unsaved_turns() if outcome.session is not None else []
@@ -304,26 +440,31 @@ async def _finish(gateway: Gateway, start: Start, outcome: _Outcome) -> None:
         for turn in turns:
             record.add_turn(turn)
         if end is not None:
-            record.end_action = end.action
+            record.end_action = end.action.value
             record.transfer_to = end.number
             record.status = (
-                CallStatus.TRANSFERRING if end.action == "transfer" else CallStatus.ENDED
+                CallStatus.TRANSFERRING if end.action == EndAction.TRANSFER else CallStatus.ENDED
             )
-        elif outcome.reason == "disconnect":
+        elif outcome.reason in (StreamOutcome.DISCONNECT, StreamOutcome.MOVED):
             # No `stop`: the socket dropped. Twilio will fetch the <Connect action> URL and
-            # any instance can resume the call from the store.
+            # any instance can resume the call from the store. Moved: a new stream takes it.
             record.status = CallStatus.RECONNECTING
 
     try:
-        await gateway.store.update(call_sid, fenced(start.stream_sid, mark))
+        record = await store.update(call_sid, fenced(start.stream_sid, mark))
         if outcome.redirected:  # no action request follows a REST redirect: end the record here
-            await gateway.store.end(call_sid, CallStatus.TRANSFERRING)
-        elif outcome.reason == "stop" or (end is not None and end.action == "hangup"):
-            await gateway.store.end(call_sid, CallStatus.ENDED)
+            await store.end(call_sid, CallStatus.TRANSFERRING)
+        elif outcome.reason == StreamOutcome.STOP or (
+            end is not None and end.action == EndAction.HANGUP
+        ):
+            await store.end(call_sid, CallStatus.ENDED)
     except StreamSuperseded:
         log.info("call.finish_skipped", reason="a newer stream carries the call")
+        return None
     except Exception as exc:  # the call is over either way; never fail teardown
         log.error("call.finish_failed", error=repr(exc))
+        return None
+    return record
 
 
 async def _close(ws: WebSocket, code: int) -> None:

@@ -26,6 +26,9 @@ class TurnTimings:
     tts_first_byte: float | None = None
     first_audio: float | None = None
     """When the first bot audio of the reply was sent to Twilio."""
+    first_heard: float | None = None
+    """When Twilio started playing the reply: the echo of a mark placed after its first 20 ms
+    frame, less that frame (the echo's own trip back is included, a few ms)."""
     cached_prompt: bool = False
 
     def breakdown(self) -> dict[str, float]:
@@ -57,3 +60,19 @@ class TurnTimings:
             metrics.TURN_LATENCY.observe(parts["total"])
             metrics.GATEWAY_OVERHEAD.observe(parts["gateway"])
         return parts
+
+    def heard(self, at: float, parts: dict[str, float]) -> None:
+        """The reply started playing at the caller at ``at``: add ``heard`` to ``parts``."""
+        if self.first_heard is not None:
+            return
+        self.first_heard = at
+        parts["heard"] = max(0.0, at - self.speech_end)
+        metrics.TURN_HEARD_LATENCY.observe(parts["heard"])
+
+
+@dataclass(slots=True)
+class CallStats:
+    """Counts for one call's stream, for its summary log line."""
+
+    barge_ins: int = 0
+    provider_errors: int = 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from ivr.errors import ProviderError
+
 # Voice turns land between ~0.3 s and a few seconds; stages between ~10 ms and ~2 s.
 TURN_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0)
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -34,6 +36,12 @@ TTS_TTFB = Histogram(
     ["provider"],
     buckets=STAGE_BUCKETS,
 )
+TURN_HEARD_LATENCY = Histogram(
+    "ivr_turn_heard_latency_seconds",
+    "Voice-to-voice latency as heard: end of caller speech to Twilio playing the first reply "
+    "audio (from the echo of a mark placed after the reply's first frame).",
+    buckets=TURN_BUCKETS,
+)
 GATEWAY_OVERHEAD = Histogram(
     "ivr_gateway_overhead_seconds",
     "Turn latency not spent in providers or endpoint silence: what the gateway itself adds.",
@@ -45,7 +53,9 @@ FIRST_AUDIO = Histogram(
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 PROVIDER_ERRORS = Counter(
-    "ivr_provider_errors_total", "Provider failures.", ["stage", "provider", "kind"]
+    "ivr_provider_errors_total",
+    "Provider failures, by stage (stt, llm, tts), provider and kind (ivr.errors).",
+    ["stage", "provider", "kind"],
 )
 ACTIVE_CALLS = Gauge("ivr_active_calls", "Media streams currently connected to this instance.")
 CALLS = Counter("ivr_calls_total", "Media streams handled, by how they ended.", ["outcome"])
@@ -65,6 +75,23 @@ STORE_RECONCILED = Gauge(
     "ivr_store_reconciled_writes", "Call-state writes replayed to Redis after an outage (total)."
 )
 STORE_FAILURES = Gauge("ivr_store_failures", "Call-state store operations that failed (total).")
+# Admission: whether this instance takes new calls, and why not.
+LOOP_LAG = Histogram(
+    "ivr_event_loop_lag_seconds",
+    "How late a periodic asyncio wake-up ran beyond its schedule.",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+CAPACITY_CALLS = Gauge(
+    "ivr_capacity_calls",
+    "The configured maximum of concurrent calls on this instance (0 = unlimited).",
+)
+READY = Gauge("ivr_ready", "1 while this instance takes new calls (what /readyz says), else 0.")
+
+
+def count_provider_error(stage: str, provider: str, error: ProviderError) -> None:
+    """Count one provider failure, once, where it is handled: retried or failed over (in
+    ivr.providers_resilience), or given up on (by the caller that gets the error)."""
+    PROVIDER_ERRORS.labels(stage, provider, error.kind.value).inc()
 
 
 def watch_store(store: object) -> None:

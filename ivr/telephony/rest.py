@@ -51,20 +51,16 @@ class TwilioRest:
 
         ``False`` when the update failed or the call is already gone (nothing to redirect).
         """
-        return await self._update(call_sid, "redirect", gone_ok=False, twiml=twiml)
+        return await self._update(call_sid, "redirect", twiml=twiml)
 
-    async def hangup(self, call_sid: str) -> bool:
-        """End the call; a call that is already over counts as success."""
-        return await self._update(call_sid, "hangup", gone_ok=True, status="completed")
-
-    async def _update(self, call_sid: str, op: str, *, gone_ok: bool, **params: Any) -> bool:
+    async def _update(self, call_sid: str, op: str, **params: Any) -> bool:
         try:
             async with asyncio.timeout(self._timeout):
                 await self._client.calls(call_sid).update_async(**params)
         except TwilioRestException as exc:
             if exc.code in CALL_GONE_CODES:
                 log.info("twilio_rest.call_gone", op=op, call_sid=call_sid, code=exc.code)
-                return gone_ok
+                return False
             log.error(
                 "twilio_rest.failed",
                 op=op,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,9 +74,6 @@ class Unknown:
 InboundMessage = Connected | Start | Media | Dtmf | Mark | Stop | Unknown
 
 DTMF_DIGITS = frozenset("0123456789*#ABCD")
-E164 = re.compile(r"\+[1-9]\d{6,14}")
-"""The only numbers a transfer may dial."""
-TRANSFER_FAILED_PROMPT = "Sorry, I can't transfer your call right now. Please call back later."
 
 
 def parse_message(text: str | bytes) -> InboundMessage:
@@ -87,9 +83,11 @@ def parse_message(text: str | bytes) -> InboundMessage:
     if len(text) > MAX_MESSAGE_CHARS:
         raise ProtocolError("oversized_frame", f"{len(text)} characters")
     try:
-        msg = json.loads(text)
-    except json.JSONDecodeError as exc:
+        msg = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:  # JSONDecodeError is one, and so is NaN/Infinity
         raise ProtocolError("bad_json", str(exc)) from exc
+    except RecursionError as exc:  # a deeply nested array or object: not a Twilio message
+        raise ProtocolError("bad_json", "nested too deeply") from exc
     if not isinstance(msg, dict):
         raise ProtocolError("bad_json", "message is not a JSON object")
     event = msg.get("event")
@@ -98,8 +96,13 @@ def parse_message(text: str | bytes) -> InboundMessage:
         return Unknown(event=str(event)[:40])
     try:
         return parser(msg)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        # OverflowError: a number such as 1e999 parses as inf, which int() refuses.
         raise ProtocolError(f"bad_{event}", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid in a Twilio message")
 
 
 def _seq(msg: Mapping[str, Any]) -> int:

@@ -1,0 +1,155 @@
+"""Whether this instance takes new calls, what a call hears when it cannot, and the drain.
+
+*Ready* (``/readyz``, ``ivr_ready``) means this instance can carry one more call: it is not
+draining, carries fewer than ``IVR_MAX_CALLS`` streams and its event loop keeps time. Redis
+health is not part of it: with Redis away every instance carries calls on in-memory state, and
+a fleet that all went unready would leave the load balancer nowhere to send them.
+
+A voice webhook that arrives while the instance cannot take a call (the load balancer has not
+noticed yet, or every instance is full) is answered with the configured overflow instead of a
+call that would stutter. While draining, webhooks are still answered when the store is shared
+(the stream goes through the load balancer to a ready instance; this one refuses it with 503).
+
+The drain (SIGTERM, ``ivr.server``): streams are refused at once; live calls are moved to other
+instances at a turn boundary when Twilio REST credentials are set (``ivr.call.moves``), else
+they finish here; after ``IVR_DRAIN_SECONDS`` the process exits anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+import structlog
+from twilio.twiml.voice_response import VoiceResponse
+
+from ivr.call.live import LiveCall, LiveCalls
+from ivr.call.moves import move_call
+from ivr.call.services import CallServices
+from ivr.obs.loop_lag import LoopLagMonitor
+from ivr.state.base import CallStore
+from ivr.telephony import twilio
+
+log = structlog.get_logger("ivr.admission")
+
+OVERFLOW_APOLOGY = "Sorry, all our lines are busy right now. Please call again in a few minutes."
+"""What IVR_OVERFLOW=apology says (Twilio's own voice, before hanging up)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStatus:
+    ready: bool
+    draining: bool
+    calls: int
+    capacity: int
+    """IVR_MAX_CALLS; 0 = unlimited."""
+    overloaded: bool
+    loop_lag_ms: float
+    store: str
+    """``ok``, ``degraded`` (Redis unreachable: calls go on from memory) or ``memory``."""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Admission:
+    def __init__(
+        self,
+        *,
+        live: LiveCalls,
+        lag: LoopLagMonitor,
+        store: CallStore,
+        max_calls: int = 0,
+        overflow: str = "apology",
+        overflow_number: str = "",
+    ) -> None:
+        if overflow not in ("reject", "redirect", "apology"):
+            raise ValueError(f"IVR_OVERFLOW must be reject, redirect or apology, got {overflow!r}")
+        self.live = live
+        self.lag = lag
+        self.max_calls = max_calls
+        self.overflow = overflow
+        self.overflow_number = overflow_number
+        self._store = store
+
+    @property
+    def full(self) -> bool:
+        return self.max_calls > 0 and len(self.live) >= self.max_calls
+
+    @property
+    def ready(self) -> bool:
+        return not (self.live.draining or self.full or self.lag.overloaded)
+
+    def takes_new_call(self) -> bool:
+        """Whether a voice webhook may start a call (see the module docstring)."""
+        if self.full or self.lag.overloaded:
+            return False
+        return not self.live.draining or self._store_state() != "memory"
+
+    def status(self) -> AdmissionStatus:
+        return AdmissionStatus(
+            ready=self.ready,
+            draining=self.live.draining,
+            calls=len(self.live),
+            capacity=self.max_calls,
+            overloaded=self.lag.overloaded,
+            loop_lag_ms=round(self.lag.lag * 1000, 1),
+            store=self._store_state(),
+        )
+
+    def overflow_twiml(self) -> str:
+        if self.overflow == "redirect":
+            return twilio.dial_twiml(self.overflow_number)
+        if self.overflow == "reject":
+            response = VoiceResponse()
+            response.reject(reason="busy")
+            return str(response.to_xml())
+        return twilio.reject_twiml(OVERFLOW_APOLOGY)
+
+    def _store_state(self) -> str:
+        statistics = getattr(self._store, "statistics", None)
+        if statistics is None:
+            return "memory"
+        return "degraded" if statistics().degraded else "ok"
+
+
+@dataclass(slots=True)
+class DrainResult:
+    seconds: float
+    moved: int
+    left: int
+    """Calls still live when the drain ran out (they are cut when the process exits)."""
+
+
+async def drain(services: CallServices, *, seconds: float) -> DrainResult:
+    """Refuse new streams, then wait (up to ``seconds``) for every live call to end or, with
+    REST credentials, to be moved to another instance at its next turn boundary."""
+    live = services.live
+    live.start_draining()
+    began = time.monotonic()
+    deadline = began + seconds
+    log.info("drain.started", calls=len(live), seconds=seconds, moves=services.rest is not None)
+    moves: dict[LiveCall, asyncio.Task[bool]] = {}
+    try:
+        while len(live) and (left := deadline - time.monotonic()) > 0:
+            if services.rest is not None:
+                for call in live.calls():
+                    if call not in moves:
+                        work = move_call(call, services.rest, services.connector, within=left)
+                        moves[call] = asyncio.create_task(work, name=f"move-{call.call_sid}")
+            await live.changed(at_most=min(0.5, left))
+    finally:
+        for task in moves.values():
+            task.cancel()
+        done = await asyncio.gather(*moves.values(), return_exceptions=True)
+    for call, outcome in zip(moves, done, strict=True):
+        if isinstance(outcome, Exception):
+            log.error("drain.move_failed", call_sid=call.call_sid, error=repr(outcome))
+    result = DrainResult(
+        seconds=round(time.monotonic() - began, 3),
+        moved=sum(1 for d in done if d is True),
+        left=len(live),
+    )
+    log.info("drain.finished", seconds=result.seconds, moved=result.moved, left=result.left)
+    return result

@@ -1,0 +1,74 @@
+"""Everything a call's stream needs, wired once per process and handed to each stream.
+
+``ivr.gateway.build_gateway`` builds one ``CallServices``; the stream handler and the call
+session read only this object, never the settings or the gateway, so ``ivr.call`` depends on
+nothing above it and a test can build a call from real parts in a few lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ivr.audio.endpointer import Endpointer
+from ivr.call.connect import StreamConnector
+from ivr.call.io import CallIO
+from ivr.call.live import LiveCalls
+from ivr.call.prompts import PromptCache
+from ivr.call.tokens import StreamTokens
+from ivr.state.base import CallRecord, CallStore
+from ivr.stt.base import SpeechToText
+from ivr.telephony.rest import TwilioRest
+from ivr.telephony.twilio import SignatureChecker
+from ivr.tts.base import TextToSpeech
+
+
+class Conversation(Protocol):
+    """What a call does once its stream is up (the flow runner, bound to the call's flow)."""
+
+    async def run(self, io: CallIO, record: CallRecord) -> None:
+        """Drive the call through ``io`` until the flow ends; ``record`` is as last stored."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAuth:
+    """Who may open a media stream."""
+
+    signatures: SignatureChecker | None
+    """Checks ``X-Twilio-Signature``; None when no auth token is configured."""
+    allow_unsigned: bool = False
+    """Development only: with no auth token, accept unsigned streams instead of refusing."""
+
+    @property
+    def accepts_unsigned(self) -> bool:
+        return self.signatures is None and self.allow_unsigned
+
+
+@dataclass(frozen=True, slots=True)
+class CallServices:
+    """The per-process parts every call shares (read-only; one instance per gateway)."""
+
+    instance_id: str
+    """This instance's name in call records."""
+    store: CallStore
+    stt: SpeechToText
+    tts: TextToSpeech
+    llm_name: str
+    """The LLM provider's label, for per-provider metrics."""
+    prompts: PromptCache
+    conversation: Conversation
+    new_endpointer: Callable[[], Endpointer]
+    """A fresh endpointer (with its own VAD) for one call; closed when the call ends."""
+    playout_lead: float
+    """Seconds of audio we may queue at Twilio ahead of its playout clock."""
+    auth: StreamAuth
+    tokens: StreamTokens
+    """Signs and checks the one-call tokens in stream URLs (any instance, no Redis needed)."""
+    connector: StreamConnector
+    """Builds the ``<Connect><Stream>`` TwiML for a call (webhook, resume, planned move)."""
+    live: LiveCalls
+    """The streams this process carries now (admission counts them, a drain moves them)."""
+    rest: TwilioRest | None = None
+    """Twilio's REST API (transfers by call update), when credentials are configured."""

@@ -1,0 +1,311 @@
+"""One bot utterance: the task that produces its audio, and what the caller heard of it.
+
+A ``SpeechHandle`` is made for each ``say`` / ``say_stream``. Its producer task turns text into
+paced mu-law: text pieces -> sentences -> TTS -> 8 kHz -> mu-law -> the ``AudioPlayer``, one
+player segment (and one mark) per sentence, so LLM deltas overlap with synthesis.
+
+``interrupt()`` ends the utterance for good. Everything it must stop happens before its first
+``await``: the producer is cancelled and the handle refuses any further write, so even while
+the ``clear`` it sends waits on a backed-up socket, no later sentence can slip out behind it.
+``wait_for_playout()`` returns ``Spoken``: all of the text once its marks echo, or the words
+the caller heard before the interruption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from ivr import phrases
+from ivr.audio.codec import pcm16_to_ulaw
+from ivr.audio.resample import StreamResampler
+from ivr.call.io import Spoken
+from ivr.call.player import AudioPlayer, Segment, heard_prefix
+from ivr.call.prompts import PromptCache
+from ivr.call.sentences import SentenceChunker
+from ivr.call.turns import CallStats, TurnTimings
+from ivr.errors import ProviderError
+from ivr.obs import metrics
+from ivr.tts.base import TextToSpeech
+
+log = structlog.get_logger("ivr.call")
+
+SENTENCE_QUEUE_SIZE = 4
+"""Sentences waiting for TTS: enough to keep synthesis busy, few enough to drop cheaply."""
+
+TurnRecorder = Callable[[dict[str, float]], None]
+
+
+class SpeechHandle:
+    """One utterance. Start it with ``play_text`` or ``play_cached``, then await
+    ``wait_for_playout``; the session calls ``interrupt`` on a barge-in."""
+
+    def __init__(
+        self,
+        *,
+        player: AudioPlayer,
+        tts: TextToSpeech,
+        prompts: PromptCache,
+        interruptible: bool,
+        turn: TurnTimings | None = None,
+        on_turn: TurnRecorder | None = None,
+        stats: CallStats | None = None,
+        llm_name: str = "llm",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interruptible = interruptible
+        self.turn = turn
+        """The caller turn this speech answers, if it started after that turn was heard."""
+        self._player = player
+        self._tts = tts
+        self._prompts = prompts
+        self._on_turn = on_turn
+        self._stats = stats or CallStats()
+        self._turn_parts: dict[str, float] | None = None
+        self._llm_name = llm_name
+        self._clock = clock
+        self._segments: list[Segment] = []
+        self._producer: asyncio.Task[None] | None = None
+        self._interrupted = False
+        self._heard = ""
+        self._apologised = False
+
+    # -- starting -------------------------------------------------------------------------
+
+    def play_text(self, chunks: AsyncIterator[str], *, from_llm: bool) -> None:
+        """Speak text as it arrives; ``from_llm`` times the LLM stages of the turn."""
+        self._start(self._produce_text(chunks, from_llm))
+
+    def play_cached(self, text: str, ulaw: bytes) -> None:
+        """Speak pre-synthesised audio of ``text``."""
+        self._start(self._produce_cached(text, ulaw))
+
+    def _start(self, produce: Coroutine[Any, Any, None]) -> None:
+        if self._producer is not None:
+            produce.close()
+            raise RuntimeError("a SpeechHandle plays once")
+        self._producer = asyncio.ensure_future(produce)
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
+
+    @property
+    def can_be_interrupted(self) -> bool:
+        """Interruptible, not interrupted yet, and still producing or playing audio."""
+        if not self.interruptible or self._interrupted or self._producer is None:
+            return False
+        return not self._producer.done() or self._player.speaking
+
+    # -- ending ---------------------------------------------------------------------------
+
+    async def interrupt(self, trigger: str) -> None:
+        """Stop now and drop what the caller has not heard (local queue and Twilio's buffer)."""
+        if self._interrupted:
+            return
+        self._heard = self._heard_so_far()
+        self._interrupted = True  # from here on the handle refuses to write (see _guard)
+        if self._producer is not None:
+            self._producer.cancel()
+        self._stats.barge_ins += 1
+        metrics.BARGE_INS.labels(trigger).inc()
+        log.info("barge_in", trigger=trigger, pii_heard=self._heard)
+        await self._player.interrupt()
+
+    async def wait_for_playout(self) -> Spoken:
+        """Until the audio has played (or was interrupted); what the caller heard."""
+        producer = self._producer
+        if producer is None:
+            raise RuntimeError("wait_for_playout() before play_text() / play_cached()")
+        try:
+            # wait() rather than await: an interrupt cancels the producer, not the waiter.
+            await asyncio.wait({producer})
+            if not producer.cancelled() and (error := producer.exception()) is not None:
+                raise error
+            if not self._interrupted:
+                for segment in self._segments:
+                    await self._player.wait_played(segment)
+        finally:
+            if not producer.done():  # the waiter itself was cancelled (the call ended)
+                producer.cancel()
+                await asyncio.wait({producer})
+        if self._interrupted:
+            return Spoken(text_heard=self._heard, interrupted=True)
+        # A sentence TTS failed on was never heard: keep only segments that had audio.
+        heard = " ".join(s.text for s in self._segments if s.total_bytes > 0)
+        return Spoken(text_heard=heard.strip())
+
+    def _heard_so_far(self) -> str:
+        now = self._clock()
+        return " ".join(heard_prefix(s.text, s.heard_fraction(now)) for s in self._segments).strip()
+
+    # -- the player, behind the interrupt guard -------------------------------------------
+
+    def _guard(self) -> None:
+        """An interrupted utterance never writes again. The producer is cancelled too, but a
+        child task may run once more before that cancellation reaches it."""
+        if self._interrupted:
+            raise asyncio.CancelledError
+
+    def _open_segment(self, text: str) -> Segment:
+        self._guard()
+        segment = self._player.open_segment(text)
+        if self.turn is not None and not self._segments:  # time the reply as the caller hears it
+            segment.on_first_heard = self._first_heard
+        self._segments.append(segment)
+        return segment
+
+    def _first_heard(self, at: float) -> None:
+        if self.turn is not None and self._turn_parts is not None:
+            self.turn.heard(at, self._turn_parts)
+
+    async def _write(self, segment: Segment, ulaw: bytes, *, cached: bool = False) -> None:
+        self._guard()
+        await self._player.write(segment, ulaw)
+        self._mark_first_audio(cached=cached)
+
+    # -- producers ------------------------------------------------------------------------
+
+    async def _produce_cached(self, text: str, ulaw: bytes) -> None:
+        segment = self._open_segment(text)
+        try:
+            await self._write(segment, ulaw, cached=True)
+        finally:
+            self._player.close_segment(segment)
+
+    async def _produce_text(self, chunks: AsyncIterator[str], from_llm: bool) -> None:
+        """Text pieces -> sentences -> TTS -> player; LLM deltas overlap with synthesis."""
+        sentences: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SENTENCE_QUEUE_SIZE)
+        turn = self.turn if from_llm else None
+
+        async def synthesise() -> None:
+            while (sentence := await sentences.get()) is not None:
+                await self._synthesise_sentence(sentence)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._split(chunks, sentences, turn))
+            group.create_task(synthesise())
+
+    async def _split(
+        self,
+        chunks: AsyncIterator[str],
+        sentences: asyncio.Queue[str | None],
+        turn: TurnTimings | None,
+    ) -> None:
+        chunker = SentenceChunker()
+        said_anything = False
+        try:
+            if turn is not None:
+                turn.llm_start = self._clock()
+            async for delta in chunks:
+                self._mark_first_token(turn)
+                for piece in chunker.push(delta):
+                    said_anything = True
+                    await self._queue_sentence(sentences, piece, turn)
+            for piece in chunker.flush():
+                said_anything = True
+                await self._queue_sentence(sentences, piece, turn)
+        except ProviderError as exc:
+            metrics.count_provider_error("llm", exc.provider, exc)
+            self._stats.provider_errors += 1
+            log.warning("llm.failed", error=str(exc), kind=exc.kind.value)
+            if not said_anything:
+                await sentences.put(phrases.LLM_FAILURE)  # cached: see _synthesise_sentence
+        finally:
+            await _aclose(chunks)  # closes the provider's HTTP stream on barge-in too
+        await sentences.put(None)
+
+    def _mark_first_token(self, turn: TurnTimings | None) -> None:
+        if turn is None or turn.llm_first_token is not None or turn.llm_start is None:
+            return
+        turn.llm_first_token = self._clock()
+        metrics.LLM_TTFT.labels(self._llm_name).observe(turn.llm_first_token - turn.llm_start)
+
+    async def _queue_sentence(
+        self, sentences: asyncio.Queue[str | None], piece: str, turn: TurnTimings | None
+    ) -> None:
+        if turn is not None and turn.first_clause is None:
+            turn.first_clause = self._clock()
+        await sentences.put(piece)
+
+    async def _synthesise_sentence(self, text: str) -> None:
+        cached = self._prompts.get(self._tts.voice, text)
+        if cached is not None:  # a phrase said before, or one of the gateway's own
+            await self._produce_cached(text, cached)
+            return
+        segment = self._open_segment(text)
+        resampler = StreamResampler(self._tts.sample_rate, 8000)
+        started = self._clock()
+        if self.turn is not None and self.turn.tts_start is None:
+            self.turn.tts_start = started
+        first = True
+        try:
+            stream = self._tts.synthesize(text)
+            try:
+                async for pcm in stream:
+                    if first:
+                        first = False
+                        self._mark_first_byte(started)
+                    await self._write_pcm(segment, resampler.push(pcm))
+            finally:
+                # An interrupt that lands while write() waits must still close the TTS stream.
+                await _aclose(stream)
+            await self._write_pcm(segment, resampler.flush())
+        except ProviderError as exc:
+            metrics.count_provider_error("tts", exc.provider, exc)
+            self._stats.provider_errors += 1
+            log.warning("tts.failed", error=str(exc), kind=exc.kind.value)
+        finally:
+            self._player.close_segment(segment)
+        if segment.total_bytes == 0 and not self._has_audio():
+            await self._apologise()
+
+    def _has_audio(self) -> bool:
+        return any(s.total_bytes > 0 for s in self._segments)
+
+    async def _apologise(self) -> None:
+        """Nothing of the reply could be voiced: say the pre-synthesised apology instead, once,
+        so a dead TTS still gives the caller an answer (it needs no provider)."""
+        if self._apologised:
+            return
+        self._apologised = True
+        cached = self._prompts.get(self._tts.voice, phrases.LLM_FAILURE)
+        if cached is None:
+            log.error("speech.no_apology", detail="the apology was not synthesised at startup")
+            return
+        await self._produce_cached(phrases.LLM_FAILURE, cached)
+
+    def _mark_first_byte(self, started: float) -> None:
+        now = self._clock()
+        metrics.TTS_TTFB.labels(self._tts.name).observe(now - started)
+        if self.turn is not None and self.turn.tts_first_byte is None:
+            self.turn.tts_first_byte = now
+
+    async def _write_pcm(self, segment: Segment, pcm: bytes) -> None:
+        if pcm:
+            await self._write(segment, pcm16_to_ulaw(pcm))
+
+    def _mark_first_audio(self, *, cached: bool) -> None:
+        """Close the turn's latency record once its first audio is queued for sending."""
+        turn = self.turn
+        if turn is None or turn.first_audio is not None:
+            return
+        turn.first_audio = self._clock()
+        turn.cached_prompt = cached
+        parts = self._turn_parts = turn.observe()
+        if self._on_turn is not None:
+            self._on_turn(parts)
+        log.info("turn.latency", **{k: round(v, 4) for k, v in parts.items()})
+
+
+async def _aclose(stream: object) -> None:
+    """Close an async generator (the seams promise only an AsyncIterator)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

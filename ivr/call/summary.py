@@ -1,0 +1,67 @@
+"""One summary log line per call (structlog's canonical log line): the call at a glance.
+
+Written when a call's stream ends: ``call.ended`` when the call itself is over, otherwise
+``call.stream_ended`` (it resumes on a new stream). Latencies cover every turn in the call
+record, so a call resumed elsewhere is summarised whole; counters cover this stream. No
+personal data: no numbers, no transcripts.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from ivr.call.turns import CallStats
+from ivr.state.base import CallRecord
+
+log = structlog.get_logger("ivr.call")
+
+STAGES = ("heard", "total", "gateway")
+"""Per-turn latencies summarised (see TurnTimings.breakdown)."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; ``values`` must not be empty."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def summary(
+    record: CallRecord | None, stats: CallStats | None, *, outcome: str, started: float
+) -> dict[str, Any]:
+    """The fields of the summary line; ``record`` as last stored (None if unknown)."""
+    fields: dict[str, Any] = {"outcome": outcome, "stream_s": round(time.monotonic() - started, 3)}
+    if stats is not None:
+        fields.update(barge_ins=stats.barge_ins, provider_errors=stats.provider_errors)
+    if record is None:
+        return fields
+    fields.update(
+        flow=record.flow_name,
+        flow_version=record.flow_version,
+        node=record.node,
+        duration_s=round((datetime.now(UTC) - record.created_at).total_seconds(), 3),
+        turns=len(record.turns),
+        resumes=max(0, record.stream_count - 1),
+    )
+    for stage in STAGES:
+        values = [float(t[stage]) for t in record.turns if isinstance(t.get(stage), int | float)]
+        if values:
+            fields[f"{stage}_p50_ms"] = round(percentile(values, 0.5) * 1000, 1)
+            fields[f"{stage}_p95_ms"] = round(percentile(values, 0.95) * 1000, 1)
+    return fields
+
+
+def log_summary(
+    record: CallRecord | None,
+    stats: CallStats | None,
+    *,
+    outcome: str,
+    final: bool,
+    started: float,
+) -> None:
+    event = "call.ended" if final else "call.stream_ended"
+    log.info(event, **summary(record, stats, outcome=outcome, started=started))

@@ -1,0 +1,73 @@
+"""Event-loop lag: how late a task that sleeps ``interval`` wakes up.
+
+Every call of this process shares one event loop. When it is saturated (too many calls, or
+something blocking it) every timer fires late: the paced audio sender, the endpointer, the
+provider streams. The oversleep of a task sleeping 100 ms at a time measures that directly, and
+is exported as ``ivr_event_loop_lag_seconds``. The instance counts as *overloaded* while the
+median lag of the last ``window`` seconds is above ``threshold``: one long garbage-collection
+pause does not flip it, a loop that is late on most wake-ups does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+from ivr.obs import metrics
+
+DEFAULT_INTERVAL = 0.1
+DEFAULT_WINDOW = 2.0
+
+
+class LoopLagMonitor:
+    """Run ``run()`` as a task on the loop to watch; read ``overloaded`` from anywhere in it."""
+
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        window: float = DEFAULT_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``threshold`` in seconds; 0 means never overloaded (lag is still measured)."""
+        if interval <= 0 or window < interval:
+            raise ValueError(f"loop lag: need 0 < interval <= window, got {interval}, {window}")
+        self.threshold = threshold
+        self.interval = interval
+        self.window = window
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque()  # (woke at, lag)
+
+    async def run(self) -> None:
+        """Measure until cancelled."""
+        while True:
+            before = self._clock()
+            await asyncio.sleep(self.interval)
+            now = self._clock()
+            self.record(now, max(0.0, now - before - self.interval))
+
+    def record(self, now: float, lag: float) -> None:
+        metrics.LOOP_LAG.observe(lag)
+        self._samples.append((now, lag))
+        self._forget_before(now - self.window)
+
+    def _forget_before(self, cutoff: float) -> None:
+        # Keep the newest sample even when it is old: after a long block it is all we know.
+        while len(self._samples) > 1 and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+
+    @property
+    def lag(self) -> float:
+        """Median lag over the window, seconds (0 before the first sample)."""
+        self._forget_before(self._clock() - self.window)
+        if not self._samples:
+            return 0.0
+        return statistics.median(lag for _, lag in self._samples)
+
+    @property
+    def overloaded(self) -> bool:
+        return self.threshold > 0 and self.lag > self.threshold

@@ -49,6 +49,7 @@ from ivr.flows.events import (
 from ivr.flows.model import Flow
 from ivr.flows.waits import answered, kept_answer
 from ivr.llm.base import ChatMessage, LanguageModel, TextDelta, ToolCall
+from ivr.obs.metrics import count_provider_error
 
 log = structlog.get_logger("ivr.flows")
 
@@ -168,7 +169,8 @@ class FlowRunner:
                         yield item.text
                     else:
                         calls.append(item)
-            except ProviderError as exc:
+            except ProviderError as exc:  # given up on here: the flow's error path answers
+                count_provider_error("llm", exc.provider, exc)
                 errors.append(str(exc))
             finally:
                 await _close(stream)
@@ -199,6 +201,8 @@ class FlowRunner:
                     text.append(item.text)
             answer = json.loads("".join(text))
         except (ProviderError, ValueError, RecursionError) as exc:
+            if isinstance(exc, ProviderError):
+                count_provider_error("llm", exc.provider, exc)
             log.warning("flow.classify_failed", flow=self.flow.name, error=str(exc))
             return IntentClassified(None, error=str(exc))
         finally:

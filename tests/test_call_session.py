@@ -364,7 +364,19 @@ async def test_a_tts_reset_mid_reply_keeps_the_call_going(providers: FakeOpenAIS
         spoken = await asyncio.wait_for(call.session.say("one sentence. And a second one."), 10)
         again = await asyncio.wait_for(call.session.say("Still here."), 10)
     assert "And a second one." in spoken.text_heard
+    assert phrases.LLM_FAILURE not in spoken.text_heard, "the reply went on: no apology"
     assert again == Spoken(text_heard="Still here.")
+
+
+async def test_a_reply_cut_off_by_a_tts_reset_ends_with_the_apology(
+    providers: FakeOpenAIServer,
+) -> None:
+    async with live_call(providers, TwilioLine()) as call:
+        providers.faults["speech"] = Fault(after_chunks=2, then="reset", times=1)
+        spoken = await asyncio.wait_for(call.session.say("Only one sentence here."), 10)
+    # The caller heard the start of the sentence, then the cached apology, not silence.
+    assert spoken.text_heard.endswith(phrases.LLM_FAILURE), spoken
+    assert len(providers.requests_for("speech")) == 1, "the apology is played from the cache"
 
 
 async def test_a_failed_transcription_asks_again_and_keeps_listening(

@@ -73,6 +73,7 @@ class SpeechHandle:
         self._interrupted = False
         self._heard = ""
         self._apologised = False
+        self._reply_broken = False
 
     # -- starting -------------------------------------------------------------------------
 
@@ -191,6 +192,8 @@ class SpeechHandle:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._split(chunks, sentences, turn))
             group.create_task(synthesise())
+        if self._reply_broken:
+            await self._apologise()
 
     async def _split(
         self,
@@ -245,6 +248,7 @@ class SpeechHandle:
         if self.turn is not None and self.turn.tts_start is None:
             self.turn.tts_start = started
         first = True
+        failed = False
         try:
             stream = self._tts.synthesize(text)
             try:
@@ -261,17 +265,21 @@ class SpeechHandle:
             metrics.count_provider_error("tts", exc.provider, exc)
             self._stats.provider_errors += 1
             log.warning("tts.failed", error=str(exc), kind=exc.kind.value)
+            failed = True
         finally:
             self._player.close_segment(segment)
         if segment.total_bytes == 0 and not self._has_audio():
             await self._apologise()
+        # A reply that ends on a sentence cut off mid-word leaves the caller waiting as surely
+        # as one never voiced: apologise at its end (a later sentence voiced clears this).
+        self._reply_broken = failed
 
     def _has_audio(self) -> bool:
         return any(s.total_bytes > 0 for s in self._segments)
 
     async def _apologise(self) -> None:
-        """Nothing of the reply could be voiced: say the pre-synthesised apology instead, once,
-        so a dead TTS still gives the caller an answer (it needs no provider)."""
+        """The reply could not be voiced (or was cut off): say the pre-synthesised apology,
+        once, so a dead TTS still gives the caller an answer (it needs no provider)."""
         if self._apologised:
             return
         self._apologised = True

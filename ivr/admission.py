@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import structlog
@@ -32,6 +33,11 @@ from ivr.state.base import CallStore
 from ivr.telephony import twilio
 
 log = structlog.get_logger("ivr.admission")
+
+RESERVATION_SECONDS = 10.0
+"""How long a call answered by the webhook counts against IVR_MAX_CALLS before its stream
+arrives. Twilio opens the stream within a second or two; a stream the load balancer sends to
+another instance leaves the reservation here to lapse."""
 
 OVERFLOW_APOLOGY = "Sorry, all our lines are busy right now. Please call again in a few minutes."
 """What IVR_OVERFLOW=apology says (Twilio's own voice, before hanging up)."""
@@ -63,6 +69,7 @@ class Admission:
         max_calls: int = 0,
         overflow: str = "apology",
         overflow_number: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if overflow not in ("reject", "redirect", "apology"):
             raise ValueError(f"IVR_OVERFLOW must be reject, redirect or apology, got {overflow!r}")
@@ -72,10 +79,26 @@ class Admission:
         self.overflow = overflow
         self.overflow_number = overflow_number
         self._store = store
+        self._clock = clock
+        self._reserved: dict[str, float] = {}  # call_sid -> when the reservation lapses
 
     @property
     def full(self) -> bool:
-        return self.max_calls > 0 and len(self.live) >= self.max_calls
+        return self.max_calls > 0 and self._calls() >= self.max_calls
+
+    def reserve(self, call_sid: str) -> None:
+        """Count a call the webhook just answered, so a burst of webhooks cannot all be
+        admitted before their streams arrive (the live set only knows connected streams)."""
+        if self.max_calls > 0:
+            self._reserved[call_sid] = self._clock() + RESERVATION_SECONDS
+
+    def _calls(self) -> int:
+        """Live streams plus answered calls whose stream has not arrived (yet)."""
+        now = self._clock()
+        live = {call.call_sid for call in self.live.calls()}
+        for sid in [s for s, until in self._reserved.items() if until <= now or s in live]:
+            del self._reserved[sid]  # lapsed, or its stream is here and counted as live
+        return len(live) + len(self._reserved)
 
     @property
     def ready(self) -> bool:
@@ -91,7 +114,7 @@ class Admission:
         return AdmissionStatus(
             ready=self.ready,
             draining=self.live.draining,
-            calls=len(self.live),
+            calls=self._calls(),
             capacity=self.max_calls,
             overloaded=self.lag.overloaded,
             loop_lag_ms=round(self.lag.lag * 1000, 1),

@@ -143,6 +143,7 @@ async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
     except CallExists:
         log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
     metrics.WEBHOOKS.labels("accepted").inc()
+    gateway.admission.reserve(call_sid)  # counts against IVR_MAX_CALLS until its stream is here
     return await _stream_twiml(gateway, record)
 
 

@@ -227,6 +227,21 @@ async def test_a_full_instance_is_unready_and_overflows_new_calls_until_its_call
     assert len(third.streams) == 1 and third.streams[0].ended_by == "caller"
 
 
+async def test_a_burst_of_webhooks_is_admitted_only_up_to_the_capacity(
+    gateway_factory: GatewayFactory,
+) -> None:
+    # Streams arrive a moment after their webhooks: counting only connected streams would
+    # let a burst of webhooks through before any of them is live.
+    async with gateway_factory(max_calls=1) as server:
+        answers = await asyncio.gather(voice_webhook(server), voice_webhook(server))
+        status, body = await readyz(server)
+    streams = [a for a in answers if parse_stream(a) is not None]
+    assert len(streams) == 1, answers
+    assert_apology(next(a for a in answers if parse_stream(a) is None))
+    # The answered call's stream has not arrived, yet it holds the one place.
+    assert status == 503 and body["calls"] == 1, body
+
+
 async def test_healthz_stays_200_while_full_and_verbose_says_why(
     gateway_factory: GatewayFactory,
 ) -> None:

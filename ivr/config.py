@@ -29,6 +29,11 @@ _E164 = re.compile(r"\+[1-9]\d{6,14}")  # as ivr.telephony.dialing (a room above
 CLOUD_STT, LOCAL_STT = 1.5, 10.0
 CLOUD_LLM_FIRST_TOKEN, LOCAL_LLM_FIRST_TOKEN = 1.2, 5.0
 CLOUD_LLM_STALL, LOCAL_LLM_STALL = 1.0, 3.0
+# On top of the stage limits, a turn deadline: with cloud providers a failing stage gives up in
+# time for the cached apology to be heard within this of the end of the caller's speech (the
+# sum of the limits above allows up to 2 s). Not with offline engines: their normal turn is
+# slower than this.
+CLOUD_HEARD_WITHIN = 1.5
 
 
 class Settings(BaseSettings):
@@ -110,6 +115,9 @@ class Settings(BaseSettings):
     redis_prefix: str = "ivr:"
     call_ttl_seconds: int = 86400
     resume_prompt: str = "Sorry, we had a brief technical problem. Let's continue."
+    # None: CLOUD_HEARD_WITHIN when STT, TTS and the LLM are all cloud providers, else off;
+    # 0: off.
+    heard_within_ms: int | None = Field(None, ge=0, le=10_000)
     # Longest a call waits on Redis for one operation, in ms (a healthy Redis answers in ~1 ms);
     # past it the call goes on in degraded mode and the write is reconciled when Redis answers.
     redis_budget_ms: int = Field(150, ge=10, le=10_000)
@@ -186,6 +194,14 @@ class Settings(BaseSettings):
         if self.llm_stall_timeout is not None:
             return self.llm_stall_timeout
         return LOCAL_LLM_STALL if self.use_local_llm else CLOUD_LLM_STALL
+
+    @property
+    def heard_within(self) -> float | None:
+        """IVR_HEARD_WITHIN_MS in seconds, or the cloud default; None when off."""
+        if self.heard_within_ms is not None:
+            return self.heard_within_ms / 1000 or None
+        cloud = self.stt_provider == "openai" and self.tts_provider == "openai"
+        return CLOUD_HEARD_WITHIN if cloud and not self.use_local_llm else None
 
     @property
     def use_local_llm(self) -> bool:

@@ -181,6 +181,7 @@ def build_gateway(
         conversation=flows,
         new_endpointer=endpointer_factory(settings),
         playout_lead=settings.playout_lead_ms / 1000,
+        heard_within=settings.heard_within,
         auth=_stream_auth(settings),
         tokens=tokens,
         connector=StreamConnector(tokens, store, settings.public_url, settings.public_ws_base),

@@ -18,7 +18,9 @@ attempt), the one it gives up with by the caller that handles it (``count_provid
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -30,6 +32,11 @@ from ivr.obs.metrics import count_provider_error
 from ivr.stt.base import Transcript
 
 log = structlog.get_logger("ivr.providers")
+
+turn_deadline: ContextVar[float | None] = ContextVar("turn_deadline", default=None)
+"""When (``time.monotonic()``) the caller must hear something of this turn: the call sets it
+for the stages of a reply (ivr.call) so that a failing stage gives up in time for the cached
+apology, whatever its own limit. Each attempt still gets at least ``min_attempt``."""
 
 T = TypeVar("T")
 
@@ -76,6 +83,9 @@ async def first_output(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + policy.budget
+    if (turn := turn_deadline.get()) is not None:
+        # loop.time() is time.monotonic() on every event loop asyncio ships.
+        deadline = min(deadline, loop.time() + max(policy.min_attempt, turn - time.monotonic()))
     pending: ProviderError | None = None  # the failure the next attempt recovers from
     for index, provider in enumerate(providers):
         reserve = policy.reserve(len(providers) - 1 - index)

@@ -23,7 +23,13 @@ from ivr.llm.base import ChatMessage, LlmEvent, TextDelta
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.openai_calls import StageLimits, retry_after
 from ivr.providers import build_llm, build_stt, build_tts
-from ivr.providers_resilience import ResilientLlm, ResilientStt, ResilientTts, RetryPolicy
+from ivr.providers_resilience import (
+    ResilientLlm,
+    ResilientStt,
+    ResilientTts,
+    RetryPolicy,
+    turn_deadline,
+)
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault, sse_body
 from ivr.tts.openai_http import OpenAIHttpTts
@@ -443,6 +449,36 @@ def test_cloud_defaults_keep_dead_air_under_two_seconds() -> None:
     assert tts.providers[0].limits == StageLimits(1.0, 1.0, 10.0)  # type: ignore[attr-defined]
     assert (llm.policy.budget, tts.policy.budget) == (1.2, 1.0)
     assert 0.3 + stt.policy.budget < 2.0  # endpoint silence + the stage's whole budget
+    assert settings.heard_within == 1.5  # and the turn deadline on top (test_fault_suite)
+
+
+def test_the_turn_deadline_is_off_with_offline_engines_and_can_be_set_or_turned_off() -> None:
+    assert Settings(_env_file=None).heard_within is None  # type: ignore[call-arg]
+    cloud = {"stt_provider": "openai", "tts_provider": "openai", "llm_api_key": "k"}
+    assert Settings(_env_file=None, **cloud, heard_within_ms=0).heard_within is None  # type: ignore[call-arg]
+    assert Settings(_env_file=None, **cloud, heard_within_ms=1800).heard_within == 1.8  # type: ignore[call-arg]
+    # Half cloud: the offline STT's normal turn is slower than the deadline.
+    assert Settings(_env_file=None, tts_provider="openai", llm_api_key="k").heard_within is None  # type: ignore[call-arg]
+
+
+async def test_a_turn_deadline_shortens_a_stages_limit_but_leaves_it_min_attempt(
+    srv: FakeOpenAIServer,
+) -> None:
+    srv.faults["transcriptions"] = Fault(hang=True, times=10)
+    stt = ResilientStt([OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, timeout=5.0)],
+                       RetryPolicy(5.0, 0.5))  # fmt: skip
+    loop = asyncio.get_running_loop()
+    for deadline_in, expected in ((0.8, 0.8), (0.1, 0.5)):  # min_attempt is the floor
+        token = turn_deadline.set(time.monotonic() + deadline_in)
+        started = loop.time()
+        try:
+            with pytest.raises(ProviderError) as info:
+                await stt.transcribe(b"\0\0" * 1600)
+        finally:
+            turn_deadline.reset(token)
+        assert info.value.kind == ProviderErrorKind.TIMEOUT
+        assert expected - 0.05 < loop.time() - started < expected + 0.3
+    await stt.aclose()
 
 
 def test_the_offline_engines_keep_generous_limits() -> None:

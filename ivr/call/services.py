@@ -63,6 +63,8 @@ class CallServices:
     """A fresh endpointer (with its own VAD) for one call; closed when the call ends."""
     playout_lead: float
     """Seconds of audio we may queue at Twilio ahead of its playout clock."""
+    heard_within: float | None
+    """When a provider fails, the apology is heard within this of the caller's end (None: off)."""
     auth: StreamAuth
     tokens: StreamTokens
     """Signs and checks the one-call tokens in stream URLs (any instance, no Redis needed)."""

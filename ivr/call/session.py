@@ -32,10 +32,11 @@ from ivr.call.io import (
 )
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
-from ivr.call.speech import SpeechHandle
+from ivr.call.speech import HEARD_MARGIN, SpeechHandle
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.errors import ProviderError
 from ivr.obs import metrics
+from ivr.providers_resilience import turn_deadline
 from ivr.stt.base import SpeechToText
 from ivr.tts.base import TextToSpeech
 
@@ -91,8 +92,12 @@ class CallSession:
         prompts: PromptCache,
         on_end: Callable[[CallEnd], None],
         llm_name: str = "llm",
+        heard_within: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``heard_within``: when a provider fails, the caller hears the cached apology (or
+        the not-understood prompt) within this many seconds of the end of their speech;
+        None leaves each stage to its own limit."""
         self._player = player
         self._endpointer = endpointer
         self._stt = stt
@@ -100,6 +105,7 @@ class CallSession:
         self._prompts = prompts
         self._on_end = on_end
         self._llm_name = llm_name
+        self._heard_within = heard_within
         self._clock = clock
         self._inputs: asyncio.Queue[_Input] = asyncio.Queue(INPUT_QUEUE_SIZE)
         self._stt_queue: asyncio.Queue[_PendingUtterance] = asyncio.Queue(STT_QUEUE_SIZE)
@@ -210,6 +216,8 @@ class CallSession:
         timings = pending.timings
         timings.stt_start = self._clock()
         audio = resample(pending.pcm16_8k, 8000, self._stt.sample_rate)
+        if self._heard_within is not None:  # see SpeechHandle: the same deadline, for STT
+            turn_deadline.set(timings.speech_end + self._heard_within - HEARD_MARGIN)
         try:
             result = await self._stt.transcribe(audio)
             text = result.text.strip()
@@ -334,6 +342,7 @@ class CallSession:
             turn=turn,
             on_turn=self.turns.append,
             llm_name=self._llm_name,
+            heard_within=self._heard_within,
             clock=self._clock,
         )
 

@@ -30,10 +30,13 @@ from ivr.call.sentences import SentenceChunker
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.errors import ProviderError
 from ivr.obs import metrics
+from ivr.providers_resilience import turn_deadline
 from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.call")
 
+HEARD_MARGIN = 0.15
+"""Of heard_within, what sending the first frame and Twilio playing it take (seconds)."""
 SENTENCE_QUEUE_SIZE = 4
 """Sentences waiting for TTS: enough to keep synthesis busy, few enough to drop cheaply."""
 
@@ -55,6 +58,7 @@ class SpeechHandle:
         on_turn: TurnRecorder | None = None,
         stats: CallStats | None = None,
         llm_name: str = "llm",
+        heard_within: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.interruptible = interruptible
@@ -67,6 +71,7 @@ class SpeechHandle:
         self._stats = stats or CallStats()
         self._turn_parts: dict[str, float] | None = None
         self._llm_name = llm_name
+        self._heard_within = heard_within
         self._clock = clock
         self._segments: list[Segment] = []
         self._producer: asyncio.Task[None] | None = None
@@ -184,6 +189,10 @@ class SpeechHandle:
         """Text pieces -> sentences -> TTS -> player; LLM deltas overlap with synthesis."""
         sentences: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SENTENCE_QUEUE_SIZE)
         turn = self.turn if from_llm else None
+        if self.turn is not None and self._heard_within is not None:
+            # The tasks below (the LLM stream, TTS) inherit it: a failing stage gives up in
+            # time for the cached apology to be heard within heard_within of the caller's end.
+            turn_deadline.set(self.turn.speech_end + self._heard_within - HEARD_MARGIN)
 
         async def synthesise() -> None:
             while (sentence := await sentences.get()) is not None:
@@ -301,6 +310,7 @@ class SpeechHandle:
 
     def _mark_first_audio(self, *, cached: bool) -> None:
         """Close the turn's latency record once its first audio is queued for sending."""
+        turn_deadline.set(None)  # heard in time: later sentences get their stages' own limits
         turn = self.turn
         if turn is None or turn.first_audio is not None:
             return

@@ -261,6 +261,7 @@ def _new_session(
         prompts=services.prompts,
         on_end=on_end,
         llm_name=services.llm_name,
+        heard_within=services.heard_within,
     )
 
 

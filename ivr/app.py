@@ -14,6 +14,7 @@ from ivr import phrases
 from ivr.call.connect import CallParams
 from ivr.call.stream import handle_stream
 from ivr.call.tokens import valid_call_sid
+from ivr.console import console_router
 from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.state.admin import admin_router
@@ -46,6 +47,11 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
     settings = gateway.settings
     app.include_router(
         admin_router(gateway.store, settings.admin_token or None, settings.admin_pii_token or None)
+    )
+    app.include_router(
+        console_router(
+            gateway.store, settings.admin_token or None, settings.admin_pii_token or None
+        )
     )
     app.include_router(_ops_routes(gateway))
     return app

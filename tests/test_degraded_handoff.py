@@ -173,7 +173,8 @@ async def test_redis_down_the_resume_limit_holds_on_the_instance_holding_only_th
     # A answered the webhook from memory; the streams went elsewhere, so A's copy never
     # counted one. The count in the action URL stops the resume loop all the same.
     async with gateways(fake_openai, redis_server.url, names=("gw-a",)) as (a,):
-        redis_server.stop()
+        # Off the loop: a stop that blocks the gateway's loop for seconds reads as overload.
+        await asyncio.to_thread(redis_server.stop)
         twiml = await post(a, "/twilio/voice", action_params("CA-w", "ringing"))
         action = re.search(r'action="https://gw\.example\.com([^"]+)"', twiml)
         assert action is not None, twiml

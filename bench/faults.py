@@ -11,9 +11,26 @@ recording is read).
     .venv/bin/python bench/faults.py                   # every fault, ~3.5 min
     .venv/bin/python bench/faults.py --only "tts stall" --lanes 2
     .venv/bin/python bench/faults.py --no-fallback --json
+    .venv/bin/python bench/faults.py --infra           # Redis and instance faults, ~2 min
+    .venv/bin/python bench/faults.py --infra --only redis
 
 Targets (issue 8): the caller hears a reply or the apology within 1.5 s of the end of their
 speech, no dead air over 2 s, the call goes on.
+
+``--infra`` runs tests/infra_faults.py instead: Redis paused (SIGSTOP), black-holed and killed
+for 10 s mid-call (from the moment the call's second question reaches speech recognition), the
+instance carrying a call SIGTERMed (drain) and SIGKILLed mid-reply, and its stream handshake or
+its voice webhook replayed, on two ``ivr serve`` processes behind HAProxy
+(deploy/haproxy/haproxy.cfg). Columns: heard after (the faulted turn: end of caller speech ->
+first bot audio; "drop": the call's stream dropped -> audio again), the longest dead air of the
+faulted call, whether its next turn was answered, calls dropped (of those placed in the case),
+new calls answered during the fault, payments the backend made (of paying calls: must be 1
+each), records complete in Redis after the fault, most streams one call had (more than 2 is a
+resume loop), fewest gateways HAProxy kept in rotation during a Redis fault, and the HTTP
+status of each replayed handshake (HAProxy, gw-1, gw-2; for the webhook replay: the handshake
+of the stream its answer named). Targets: 0 calls dropped, new calls answered on either
+instance, records complete, one payment; SIGKILL: audio again within 1 s; replays refused
+(4xx) with the real call unaffected.
 """
 
 from __future__ import annotations
@@ -41,6 +58,11 @@ from fault_calls import (
     all_cases,
     run_cases,
 )
+from infra_faults import CASES as INFRA_CASES
+from infra_faults import HEADER as INFRA_HEADER
+from infra_faults import format_row as infra_row
+from infra_faults import format_table as infra_table
+from infra_faults import run_infra_cases
 
 from ivr.config import Settings
 
@@ -116,7 +138,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llm-ms", type=int, default=200, help="fake LLM time to first token")
     p.add_argument("--tts-ms", type=int, default=100, help="fake TTS time to first byte")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
+    p.add_argument(
+        "--infra",
+        action="store_true",
+        help=f"Redis and instance faults instead ({', '.join(INFRA_CASES)}; --only filters)",
+    )
     return p.parse_args(argv)
+
+
+async def infra_async(args: argparse.Namespace) -> dict[str, Any]:
+    names = [n for n in INFRA_CASES if args.only.lower() in n]
+    if not names:
+        raise SystemExit(f"no infra fault matches --only {args.only!r}")
+    load0, t0 = os.getloadavg(), time.monotonic()
+    print(f"{len(names)} infrastructure faults on one stack, one after another\n")
+    print(INFRA_HEADER, flush=True)
+    with tempfile.TemporaryDirectory(prefix="ivr-infra-faults-") as tmp:
+        workdir = Path(os.environ.get("IVR_BENCH_DIR", tmp))
+        workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any call
+        results = await run_infra_cases(
+            workdir, names, on_result=lambda r: print(infra_row(r), flush=True)
+        )
+    elapsed = time.monotonic() - t0
+    print("\nInfrastructure faults (two gateways behind HAProxy, Redis behind a proxy)")
+    print(infra_table(results))
+    print(f"\n{elapsed:.0f} s; load average start {load0}, end {os.getloadavg()}")
+    return {
+        "results": [asdict(r) | {"misses": r.misses()} for r in results],
+        "elapsed_s": round(elapsed, 1),
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM -> KeyboardInterrupt, so the gateway processes are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.suppress(KeyboardInterrupt):
-        out = asyncio.run(main_async(args))
+        out = asyncio.run(infra_async(args) if args.infra else main_async(args))
         if args.json:
             print(json.dumps(out, indent=2))
         return 0

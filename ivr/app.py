@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
@@ -147,6 +148,13 @@ async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
     try:
         await gateway.store.create(record)
     except CallExists:
+        # Twilio retries a webhook that timed out, before any stream. Once the call has had
+        # one, a "retry" is a replayed request: a fresh token would let it take the call over.
+        existing = await gateway.store.get(call_sid)
+        if existing is not None and (existing.stream_count > 0 or existing.is_ended):
+            log.warning("webhook.replay_refused", streams=existing.stream_count)
+            metrics.WEBHOOKS.labels("replay").inc()
+            return Response("this call already has a stream", status_code=409)
         log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
     metrics.WEBHOOKS.labels("accepted").inc()
     gateway.admission.reserve(call_sid)  # counts against IVR_MAX_CALLS until its stream is here
@@ -193,7 +201,11 @@ async def _after_stream(
         return Response(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM), media_type=XML)
     # The stream dropped without a decision to end: resume on a new stream (any instance).
     log.info("call.resume_requested", call_sid=call_sid, node=record.node)
-    return await _stream_twiml(gateway, record)
+    # The count the action URL carries may be ahead of a stale copy of the record (Redis
+    # away, another instance carried the streams): keep it, or the resume limit never trips.
+    call = replace(CallParams.of(record), streams=max(record.stream_count, streams_in_url))
+    xml = await gateway.services.connector.twiml(call)
+    return Response(xml, media_type=XML)
 
 
 async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | None:

@@ -284,7 +284,7 @@ async def _until_first_ends(
     elif (
         finished is tasks.conversation
         and outcome.reason == StreamOutcome.HANGUP
-        and outcome.rebuilt
+        and (outcome.rebuilt or _store_degraded(services.store))
     ):
         await _hang_up_without_store(services, start.call_sid, tasks.receive)
 
@@ -352,10 +352,18 @@ async def _transfer_by_rest(
     return redirected
 
 
+def _store_degraded(store: object) -> bool:
+    """Whether the store is carrying calls from memory (Redis away): another instance then
+    cannot read that this call ended. A plain store has no such state."""
+    statistics = getattr(store, "statistics", None)  # ResilientCallStore only
+    return statistics is not None and bool(statistics().degraded)
+
+
 async def _hang_up_without_store(
     services: CallServices, call_sid: str, receive: asyncio.Task[StreamOutcome]
 ) -> None:
-    """End a call whose end no other instance can read (its record was rebuilt here).
+    """End a call whose end no other instance can read (its record was rebuilt here, or the
+    store is carrying calls from memory).
 
     Closing the stream would make Twilio ask the <Connect action> URL what next, and the
     instance that answers holds at best the webhook's copy of the call: it would resume the

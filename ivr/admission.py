@@ -30,6 +30,7 @@ from ivr.call.moves import move_call
 from ivr.call.services import CallServices
 from ivr.obs.loop_lag import LoopLagMonitor
 from ivr.state.base import CallStore
+from ivr.state.resilient import statistics_of
 from ivr.telephony import twilio
 
 log = structlog.get_logger("ivr.admission")
@@ -131,10 +132,10 @@ class Admission:
         return twilio.reject_twiml(OVERFLOW_APOLOGY)
 
     def _store_state(self) -> str:
-        statistics = getattr(self._store, "statistics", None)
+        statistics = statistics_of(self._store)
         if statistics is None:
             return "memory"
-        return "degraded" if statistics().degraded else "ok"
+        return "degraded" if statistics.degraded else "ok"
 
 
 @dataclass(slots=True)

@@ -158,7 +158,7 @@ async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
         log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
     metrics.WEBHOOKS.labels("accepted").inc()
     gateway.admission.reserve(call_sid)  # counts against IVR_MAX_CALLS until its stream is here
-    return await _stream_twiml(gateway, record)
+    return await _stream_twiml(gateway, CallParams.of(record))
 
 
 def _twiml(xml: str) -> Response:
@@ -204,8 +204,7 @@ async def _after_stream(
     # The count the action URL carries may be ahead of a stale copy of the record (Redis
     # away, another instance carried the streams): keep it, or the resume limit never trips.
     call = replace(CallParams.of(record), streams=max(record.stream_count, streams_in_url))
-    xml = await gateway.services.connector.twiml(call)
-    return Response(xml, media_type=XML)
+    return await _stream_twiml(gateway, call)
 
 
 async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | None:
@@ -224,8 +223,8 @@ async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | N
     return None
 
 
-async def _stream_twiml(gateway: Gateway, record: CallRecord) -> Response:
-    xml = await gateway.services.connector.twiml(CallParams.of(record))
+async def _stream_twiml(gateway: Gateway, call: CallParams) -> Response:
+    xml = await gateway.services.connector.twiml(call)
     return Response(xml, media_type=XML)
 
 
@@ -254,7 +253,7 @@ async def _after_stream_without_record(
         flow_version=query.get("version", ""),
         streams=streams,
     )
-    return _twiml(await gateway.services.connector.twiml(params))
+    return await _stream_twiml(gateway, params)
 
 
 def _int(text: str) -> int:

@@ -41,6 +41,7 @@ from ivr.state.base import (
     StreamSuperseded,
     fenced,
 )
+from ivr.state.resilient import statistics_of
 from ivr.telephony import twilio
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
@@ -355,8 +356,8 @@ async def _transfer_by_rest(
 def _store_degraded(store: object) -> bool:
     """Whether the store is carrying calls from memory (Redis away): another instance then
     cannot read that this call ended. A plain store has no such state."""
-    statistics = getattr(store, "statistics", None)  # ResilientCallStore only
-    return statistics is not None and bool(statistics().degraded)
+    statistics = statistics_of(store)
+    return statistics is not None and statistics.degraded
 
 
 async def _hang_up_without_store(

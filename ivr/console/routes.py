@@ -23,7 +23,8 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ivr.console import views
 from ivr.console.auth import TICKET_TTL, Access, ConsoleAuth
 from ivr.console.feed import ActiveFeed, Snapshot
-from ivr.state.base import CallStore, StoreUnavailable
+from ivr.state.admin import stored_call
+from ivr.state.base import CallStore
 
 log = structlog.get_logger("ivr.console")
 
@@ -108,12 +109,7 @@ def _api_routes(router: APIRouter, auth: ConsoleAuth, store: CallStore, feed: Ac
 
     @router.get("/api/calls/{call_sid}")
     async def show_call(call_sid: str, pii: bool = pii_shown) -> dict[str, Any]:
-        try:
-            record = await store.get(call_sid)
-        except StoreUnavailable as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from exc
-        if record is None:
-            raise HTTPException(status_code=404, detail=f"call {call_sid!r} not found")
+        record = await stored_call(store, call_sid)
         if pii:
             log.info("console.pii_shown", call_sid=call_sid)
         return views.detail(record, pii=pii, events=feed.events_of(call_sid))

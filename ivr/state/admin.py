@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import structlog
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
-from ivr.state.base import CallStore, StoreUnavailable
+from ivr.state.base import CallRecord, CallStore, StoreUnavailable
 
 log = structlog.get_logger("ivr.admin")
 
@@ -38,17 +38,23 @@ def admin_router(store: CallStore, token: str | None, pii_token: str | None = No
 
     @router.get("/calls/{call_sid}")
     async def show_call(call_sid: str, pii: bool = pii_allowed) -> dict[str, Any]:
-        try:
-            record = await store.get(call_sid)
-        except StoreUnavailable as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from exc
-        if record is None:
-            raise HTTPException(status_code=404, detail=f"call {call_sid!r} not found")
+        record = await stored_call(store, call_sid)
         if pii:
             log.info("admin.pii_shown", call_sid=call_sid)
         return record.view(pii=pii)
 
     return router
+
+
+async def stored_call(store: CallStore, call_sid: str) -> CallRecord:
+    """A call's record for an HTTP answer: 404 when there is none, 503 when the store is away."""
+    try:
+        record = await store.get(call_sid)
+    except StoreUnavailable as exc:
+        raise HTTPException(status_code=503, detail=str(exc)) from exc
+    if record is None:
+        raise HTTPException(status_code=404, detail=f"call {call_sid!r} not found")
+    return record
 
 
 class _PiiGuard:

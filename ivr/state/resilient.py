@@ -86,6 +86,11 @@ class StoreStatistics:
     over_budget: int = 0  # primary operations cut off by the budget
 
 
+def statistics_of(store: object) -> StoreStatistics | None:
+    """The statistics of a store that degrades to memory; None for a plain store."""
+    return store.statistics() if isinstance(store, ResilientCallStore) else None
+
+
 class ResilientCallStore:
     def __init__(
         self,

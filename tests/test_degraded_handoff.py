@@ -29,9 +29,11 @@ from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.server import RunningServer, running_server
 from ivr.sim.caller import place_call
+from ivr.sim.rest_api import FakeTwilioRestApi
 from ivr.state.base import CallStatus
 from ivr.state.redis_store import RedisCallStore
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.telephony import twilio
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.openai_http import OpenAIHttpTts
 
@@ -51,14 +53,21 @@ def redis_server() -> Iterator[RedisServer]:
 
 @asynccontextmanager
 async def gateways(
-    fake: FakeOpenAIServer, redis_url: str, names: tuple[str, ...] = ("gw-a", "gw-b")
+    fake: FakeOpenAIServer,
+    redis_url: str,
+    names: tuple[str, ...] = ("gw-a", "gw-b"),
+    **extra: Any,
 ) -> AsyncIterator[list[RunningServer]]:
     prefix = unique_prefix()
     async with AsyncExitStack() as stack:
         servers = []
         for name in names:
             settings = provider_settings(
-                redis_url=redis_url, redis_prefix=prefix, instance_id=name, redis_budget_ms=150
+                redis_url=redis_url,
+                redis_prefix=prefix,
+                instance_id=name,
+                redis_budget_ms=150,
+                **extra,
             )
             base = fake.base_url
             gateway = build_gateway(
@@ -165,6 +174,35 @@ async def test_redis_down_the_action_url_on_an_instance_without_the_record_still
     assert "<Connect" in resumed and 'name="FlowName" value="default"' in resumed
     assert "streams=1" in resumed
     assert "technical problems" in looping and "<Connect" not in looping
+
+
+async def test_redis_down_with_rest_credentials_b_hangs_up_over_rest_after_the_goodbye(
+    fake_openai: FakeOpenAIServer, redis_server: RedisServer
+) -> None:
+    fake_openai.transcripts.append(LAST_TRANSCRIPT)
+    fake_openai.chat = agent_replies
+    async with (
+        FakeTwilioRestApi(auth_token=AUTH_TOKEN) as api,
+        gateways(
+            fake_openai,
+            redis_server.url,
+            twilio_account_sid=api.account_sid,
+            twilio_api_base_url=api.url,
+        ) as (a, b),
+    ):
+        await asyncio.to_thread(redis_server.stop)
+        with capture_logs() as logs:
+            report = await place_call(
+                a.base_url, ws_base=ws_base(b), script=["Thanks, bye."],
+                auth_token=AUTH_TOKEN, public_base_url=PUBLIC_URL, rest_api=api,
+            )  # fmt: skip
+    assert not report.errors and not report.violations, report.format_transcript()
+    # The goodbye played, then B ended the call itself: no <Connect action> request for A to
+    # answer from its webhook-only copy, no line held open.
+    assert [u.twiml for u in api.updates] == [twilio.hangup_twiml()], api.updates
+    assert len(report.streams) == 1 and report.streams[0].ended_by == "rest"
+    events = [e["event"] for e in logs]
+    assert "call.hangup_redirected" in events and "call.hangup_held" not in events, events
 
 
 async def test_redis_down_the_resume_limit_holds_on_the_instance_holding_only_the_webhook_copy(

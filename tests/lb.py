@@ -138,7 +138,12 @@ class LoadBalancer:
         try:
             done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
             conn.closed_t = time.monotonic()
-            conn.closed_by = "client" if up in done else "backend"
+            # A pipe ends when its reader's side closes or its writer's side is gone: a caller
+            # still sending when the backend dies ends the upward pipe by a failed write.
+            backend_gone = (down in done and down.result() == "reader") or (
+                up in done and up.result() == "writer"
+            )
+            conn.closed_by = "backend" if backend_gone else "client"
         finally:
             for task in (up, down):
                 task.cancel()
@@ -149,18 +154,27 @@ class LoadBalancer:
     @staticmethod
     async def _pipe(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection, *, up: bool
-    ) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await reader.read(CHUNK):
-                now = time.monotonic()
-                if up and data.startswith(_METHODS):
-                    line = data.split(b"\r\n", 1)[0].decode("latin-1")
-                    conn.requests.append(Request(line, now))
-                elif not up:
-                    if len(conn.down_t) < MAX_CHUNKS:
-                        conn.down_t.append(now)
-                    for request in conn.requests:
-                        if request.answered_t is None:
-                            request.answered_t = now
+    ) -> str:
+        """Copy until one side closes; which one ended it: ``reader`` or ``writer``."""
+        while True:
+            try:
+                data = await reader.read(CHUNK)
+            except (OSError, asyncio.IncompleteReadError):
+                return "reader"
+            if not data:
+                return "reader"
+            now = time.monotonic()
+            if up and data.startswith(_METHODS):
+                line = data.split(b"\r\n", 1)[0].decode("latin-1")
+                conn.requests.append(Request(line, now))
+            elif not up:
+                if len(conn.down_t) < MAX_CHUNKS:
+                    conn.down_t.append(now)
+                for request in conn.requests:
+                    if request.answered_t is None:
+                        request.answered_t = now
+            try:
                 writer.write(data)
                 await writer.drain()
+            except OSError:
+                return "writer"

@@ -378,6 +378,12 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
         async with exit_watch(carrier) as seen:
             signalled = sigterm(carrier)
             exit_t = await exited(seen, drain_s + EXIT_SLACK_S)
+        # Let the load balancer see the backend's close before the caller goes: cancelling
+        # the call at once can close the client side first (seen once in a full run).
+        [(stream_conn, _)] = cl.lb.requests("GET /twilio/stream/")
+        async with asyncio.timeout(5):
+            while stream_conn.closed_t is None:  # noqa: ASYNC110 - the LB keeps no event
+                await asyncio.sleep(0.02)
         call.cancel()  # no instance is left to resume it
         await asyncio.gather(call, return_exceptions=True)
         record = await cl.store.get(call_sid)
@@ -388,7 +394,6 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
     assert drained["left"] == 1 and drained["moved"] == 0
     assert drained["seconds"] == pytest.approx(drain_s, abs=0.6)
     # The call was live until then: its stream was closed by the exiting process.
-    [(stream_conn, _)] = cl.lb.requests("GET /twilio/stream/")
     assert stream_conn.closed_by == "backend" and stream_conn.closed_t is not None
     assert signalled + drain_s - 0.2 <= stream_conn.closed_t <= exit_t
     # Cut, not ended: left for the <Connect action> to resume on another instance.

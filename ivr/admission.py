@@ -146,6 +146,10 @@ class DrainResult:
     """Calls still live when the drain ran out (they are cut when the process exits)."""
 
 
+ACTION_GRACE_SECONDS = 2.0
+"""After the last call of a drain ends: time for Twilio's <Connect action> request to arrive."""
+
+
 async def drain(services: CallServices, *, seconds: float) -> DrainResult:
     """Refuse new streams, then wait (up to ``seconds``) for every live call to end or, with
     REST credentials, to be moved to another instance at its next turn boundary."""
@@ -154,9 +158,10 @@ async def drain(services: CallServices, *, seconds: float) -> DrainResult:
     began = time.monotonic()
     deadline = began + seconds
     log.info("drain.started", calls=len(live), seconds=seconds, moves=services.rest is not None)
+    carried = len(live) > 0 or live.open_sockets > 0
     moves: dict[LiveCall, asyncio.Task[bool]] = {}
     try:
-        while len(live) and (left := deadline - time.monotonic()) > 0:
+        while (len(live) or live.open_sockets) and (left := deadline - time.monotonic()) > 0:
             if services.rest is not None:
                 for call in live.calls():
                     if call not in moves:
@@ -170,6 +175,11 @@ async def drain(services: CallServices, *, seconds: float) -> DrainResult:
     for call, outcome in zip(moves, done, strict=True):
         if isinstance(outcome, Exception):
             log.error("drain.move_failed", call_sid=call.call_sid, error=repr(outcome))
+    if carried and not len(live) and not live.open_sockets:
+        # A call that just ended here makes Twilio ask its <Connect action> URL what next; if
+        # no instance answers (a single instance, or the last one draining) the caller hears
+        # Twilio's "application error" after the goodbye. Stay up a moment to answer it.
+        await asyncio.sleep(max(0.0, min(ACTION_GRACE_SECONDS, deadline - time.monotonic())))
     result = DrainResult(
         seconds=round(time.monotonic() - began, 3),
         moved=sum(1 for d in done if d is True),

@@ -1,4 +1,4 @@
-"""The ``ivr`` command: serve, call, demo, flows, calls."""
+"""The ``ivr`` command: serve, call, demo, flows, calls, dial."""
 
 from __future__ import annotations
 
@@ -25,12 +25,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run the gateway (FastAPI under uvicorn)")
     serve.add_argument("--host", help="bind address (default IVR_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default IVR_PORT or 8080)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the port (SO_REUSEPORT), e.g. one per core; "
+        "more than 1 needs IVR_REDIS_URL",
+    )
     serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser(
         "demo", help="start the gateway offline and place one simulated call to it"
     )
-    demo.add_argument("--say", action="append", help="caller line (repeatable)")
+    demo.add_argument(
+        "--say",
+        action="append",
+        help="caller line (repeatable): speak these to the general assistant (flows/default.yaml) "
+        "instead of the Harbor Bikes call (flows/demo.yaml)",
+    )
     demo.add_argument("--record", default="demo-call.wav", help="save what the bot said here")
     demo.add_argument("--tts", choices=["piper", "espeak"], default=None)
     demo.set_defaults(handler=_demo)
@@ -60,15 +72,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _add_plugin_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ivr.flowtools.cli import add_commands as add_flow_commands
+    from ivr.outbound.cli import add_commands as add_dial_commands
     from ivr.state.cli import add_commands as add_store_commands
 
     add_flow_commands(commands)
+    add_dial_commands(commands)
     add_store_commands(commands)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ivr.server import serve
+    from ivr.server import serve, serve_workers
 
+    if args.workers != 1:
+        return serve_workers(args.workers, host=args.host, port=args.port)
     return asyncio.run(serve(host=args.host, port=args.port))
 
 

@@ -160,7 +160,14 @@ class GatewayProcesses:
         self.log_dir = log_dir
         self.procs: list[GatewayProcess] = []
 
-    def start(self, name: str, env: dict[str, str], port: int | None = None) -> GatewayProcess:
+    def start(
+        self,
+        name: str,
+        env: dict[str, str],
+        port: int | None = None,
+        serve_args: tuple[str, ...] = (),
+    ) -> GatewayProcess:
+        """``serve_args``: more options for ``ivr serve`` (e.g. ``("--workers", "2")``)."""
         port = port or free_port()
         instance_id = env.get("IVR_INSTANCE_ID") or f"{name}-{port}"
         full = {**_base_env(), **env, "IVR_PORT": str(port), "IVR_INSTANCE_ID": instance_id}
@@ -168,7 +175,7 @@ class GatewayProcesses:
         with log_path.open("wb") as log:
             # cwd: an empty directory, so no developer .env leaks into the settings.
             process = subprocess.Popen(
-                [str(IVR), "serve", "--host", "127.0.0.1", "--port", str(port)],
+                [str(IVR), "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args],
                 env=full,
                 cwd=self.log_dir,
                 stdin=subprocess.DEVNULL,

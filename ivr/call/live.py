@@ -4,8 +4,9 @@ what a drain waits for (or moves elsewhere)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from ivr.call.connect import CallParams
@@ -36,6 +37,7 @@ class LiveCalls:
     def __init__(self) -> None:
         self._calls: dict[str, LiveCall] = {}
         self._changed = asyncio.Event()
+        self._open_sockets = 0
         self.draining_since: float | None = None
         """Monotonic time the drain began; None while taking streams."""
 
@@ -56,6 +58,22 @@ class LiveCalls:
             del self._calls[call.stream_sid]
         call.ended.set()
         self._changed.set()
+
+    @contextlib.contextmanager
+    def socket_open(self) -> Iterator[None]:
+        """Around a media stream socket's whole life, teardown included: a call leaves the
+        registry when its session ends, but its socket closes only after the record is saved,
+        and Twilio asks the <Connect action> URL only after that close."""
+        self._open_sockets += 1
+        try:
+            yield
+        finally:
+            self._open_sockets -= 1
+            self._changed.set()
+
+    @property
+    def open_sockets(self) -> int:
+        return self._open_sockets
 
     def __len__(self) -> int:
         return len(self._calls)

@@ -42,7 +42,7 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=_stderr_logger if stream is None else structlog.PrintLoggerFactory(stream),
+        logger_factory=_stderr_logger if stream is None else structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
     if log_pii:
@@ -51,7 +51,9 @@ def configure_logging(
         )
 
 
-def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+def _stderr_logger(*_args: object) -> structlog.WriteLogger:
     # Look sys.stderr up per logger, not once: whoever swaps it (pytest, a supervisor) must not
-    # leave us writing to a closed file.
-    return structlog.PrintLogger(file=sys.stderr)
+    # leave us writing to a closed file. A line is one write: redirected, stderr is unbuffered,
+    # and print() writes the text and its newline apart, so ``ivr serve --workers`` processes
+    # sharing one stderr spliced each other's lines (a JSON line per event no more).
+    return structlog.WriteLogger(file=sys.stderr)

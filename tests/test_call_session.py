@@ -20,6 +20,7 @@ from ivr import phrases
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.endpointer import EndpointConfig, Endpointer
 from ivr.audio.vad import WebRtcVad
+from ivr.call import session as session_module
 from ivr.call.io import Digits, ListenSpec, Spoken, Utterance
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
@@ -182,8 +183,10 @@ async def test_caller_speech_interrupts_the_bot_and_becomes_the_next_answer(
         saying = await call.say_soon(LONG_PROMPT)
         await call.speak(noise_pcm16(0.3, -60))
         await call.speak(trimmed(speech_pcm16("I want to talk to someone")))
-        spoken = await asyncio.wait_for(saying, 2)
+        # The bot paused at once; the interruption stands when the words are transcribed.
+        assert "clear" in call.line.kinds() and not saying.done()
         await call.speak(noise_pcm16(0.5, -60))  # the endpoint silence
+        spoken = await asyncio.wait_for(saying, 2)
         answer = await call.session.listen(ListenSpec(no_input_timeout=3))
     assert spoken.interrupted
     assert LONG_PROMPT.startswith(spoken.text_heard)
@@ -394,3 +397,38 @@ async def test_a_failed_transcription_asks_again_and_keeps_listening(
         answer = await asyncio.wait_for(listening, 8)
     assert isinstance(answer, Utterance) and answer.text == "the second try"
     assert len(providers.requests_for("transcriptions")) == 2
+
+
+# -- a pause whose transcript fails or never comes --------------------------------------------
+
+
+async def test_when_stt_fails_on_the_speech_that_paused_the_bot_the_interruption_stands(
+    providers: FakeOpenAIServer,
+) -> None:
+    providers.faults["transcriptions"] = Fault(status=500, times=10)
+    async with live_call(providers, TwilioLine()) as call:
+        saying = await call.say_soon(LONG_PROMPT)
+        await call.speak(noise_pcm16(0.3, -60))
+        await call.speak(trimmed(speech_pcm16("I want to talk to someone")))
+        assert "clear" in call.line.kinds() and not saying.done()  # paused
+        await call.speak(noise_pcm16(0.5, -60))  # the endpoint silence; STT then fails
+        spoken = await asyncio.wait_for(saying, 5)
+    assert spoken.interrupted, "the caller said something: the bot must not talk on over it"
+    assert call.line.kinds().count("clear") == 1
+    assert call.line.media_after_clear() == 0
+
+
+async def test_a_paused_prompt_whose_transcript_never_comes_goes_on(
+    providers: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_module, "PAUSE_VERDICT_LIMIT_S", 0.3)
+    providers.faults["transcriptions"] = Fault(hang=True, times=10)
+    async with live_call(providers, TwilioLine()) as call:
+        saying = await call.say_soon(LONG_PROMPT)
+        await call.speak(noise_pcm16(0.3, -60))
+        await call.speak(trimmed(speech_pcm16("I want to talk to someone")))
+        assert "clear" in call.line.kinds() and not saying.done()  # paused
+        await call.speak(noise_pcm16(0.8, -60))  # the endpoint silence and the deadline
+        spoken = await asyncio.wait_for(saying, 10)
+    assert not spoken.interrupted and spoken.text_heard == LONG_PROMPT
+    assert call.line.media_after_clear() > 0, "the prompt did not resume"

@@ -23,7 +23,8 @@ BAD = "name: bad\nstart: a\nnodes:\n  a:\n    kind: say\n    text: hi\n    next:
 def test_validate_passes_on_the_example_flows() -> None:
     result = flows_cli("validate", str(ROOT / "flows"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "5 flow file(s) checked" in result.stdout and ": ok" in result.stdout
+    flows = len([p for p in (ROOT / "flows").glob("*.yaml") if p.name != "routes.yaml"])
+    assert f"{flows} flow file(s) checked" in result.stdout and ": ok" in result.stdout
 
 
 def test_validate_fails_with_file_line_and_column(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from ivr.flows.engine import FlowRuntimeError, new_state, step
@@ -322,3 +324,18 @@ def test_a_resumed_agent_call_answers_the_question_whose_reply_was_lost() -> Non
     turn = actions[-1]
     assert isinstance(turn, AgentTurn)
     assert [m.content for m in turn.messages[1:]] == ["Hi.", "What time is it?"]
+
+
+def test_a_step_leaves_no_garbage_for_the_cycle_collector() -> None:
+    # Speculation steps the engine on every caller pause: a reference cycle per step would
+    # pile copies of the state (history included) on the collector, whose full passes then
+    # stall every call of the process.
+    state = start()
+    gc.collect()
+    gc.disable()
+    try:
+        for event in (CallerSaid("What's my balance?"), CallerPressed("1"), CallerSaid("agent")):
+            step(FLOW, state, event)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

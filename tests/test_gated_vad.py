@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
 
 from ivr.audio.endpointer import Endpointer, SpeechEnded
@@ -43,7 +46,7 @@ def test_silero_sleeps_through_silence_and_returns_to_the_pool() -> None:
     for frame, _ in frames(trimmed(speech_pcm16("Hello there."))):
         other.is_speech(frame)
     other.close()
-    assert pool.created == 1, "the second call must reuse the pooled instance"
+    assert pool.misses == 1, "the second call must find a loaded model in the pool"
 
 
 def test_the_onset_is_not_lost_when_silero_wakes() -> None:
@@ -55,3 +58,24 @@ def test_the_onset_is_not_lost_when_silero_wakes() -> None:
     assert len(ended) == 1
     # Pre-roll keeps the beginning: the utterance holds (nearly) all of the speech.
     assert seconds(ended[0].audio) >= seconds(speech) - 0.1
+
+
+async def test_inside_an_event_loop_a_wake_never_waits_for_a_model_to_load() -> None:
+    """Loading a model takes ~100 ms: on the loop that would stall every call. The gate decides
+    until the background thread has one ready; then Silero takes over, primed with the onset."""
+    pool = SileroPool(spare=1)
+    vad = GatedSileroVad(pool)
+    speech = trimmed(speech_pcm16(SENTENCE))
+    slowest = 0.0
+    decisions = []
+    for frame, _ in frames(speech):
+        started = time.perf_counter()
+        decisions.append(vad.is_speech(frame))
+        slowest = max(slowest, time.perf_counter() - started)
+        await asyncio.sleep(0.02)  # real time, as frames arrive on a call
+    vad.close()
+    print(f"\nslowest frame {1000 * slowest:.1f} ms; gate alone on {vad.waited_frames} frames")
+    assert pool.misses >= 1 and vad.waited_frames >= 1, "the first wake found no model loaded"
+    assert vad.wakes == 1 and vad.awake_frames > len(decisions) // 2, "then Silero decided"
+    assert slowest < 0.03, "no frame may wait for a model to load"
+    assert sum(decisions) > len(decisions) // 2

@@ -15,6 +15,8 @@ from ivr.audio.endpointer import (
     EndpointEvent,
     SpeechDiscarded,
     SpeechEnded,
+    SpeechPaused,
+    SpeechResumed,
     SpeechStarted,
 )
 from ivr.audio.vad import SileroVad, VoiceActivityDetector, WebRtcVad
@@ -189,3 +191,96 @@ def test_silero_vad_ends_an_utterance_in_white_noise_on_time() -> None:
 def test_active_span_of_the_fixture_finds_speech_in_the_clip() -> None:
     start, end = active_span(speech_pcm16(SENTENCE))
     assert 0 <= start < 0.1 and 2.0 < end < 3.5
+
+
+# -- pauses: what speculative turns start on ---------------------------------------------
+
+
+def _pause_config(**overrides: int) -> EndpointConfig:
+    return EndpointConfig(silence_ms=300, pause_ms=100, **overrides)
+
+
+def test_a_pause_is_reported_before_the_end_with_the_audio_so_far() -> None:
+    speech = trimmed(speech_pcm16("Check my balance."))
+    timeline = noise_pcm16(0.5, seed=20) + speech + noise_pcm16(1.0, seed=21)
+
+    events = run(Endpointer(WebRtcVad(2), _pause_config()), timeline)
+
+    assert kinds(events) == ["SpeechStarted", "SpeechPaused", "SpeechEnded"]
+    (t_pause, paused), (t_end, ended) = events[1], events[2]
+    assert isinstance(paused, SpeechPaused) and isinstance(ended, SpeechEnded)
+    # Paused once the level has been down 100 ms, ended after 300 ms of VAD silence: the
+    # pause comes ~200 ms sooner (the level drops a frame or two before the VAD's estimate).
+    assert t_end - t_pause == pytest.approx(0.2, abs=0.041)
+    assert paused.t_end_of_speech == pytest.approx(ended.t_end_of_speech, abs=0.041)
+    # The paused audio is the ended audio less the extra trailing silence: same words.
+    assert ended.audio.startswith(paused.audio)
+    assert len(ended.audio) - len(paused.audio) == pytest.approx(0.2 * RATE * 2, abs=2 * 320)
+    assert paused.pause == 1
+
+
+def test_a_pause_is_heard_on_the_level_before_the_vads_hangover_ends() -> None:
+    # Silero keeps saying "speech" ~100 ms after the caller stops: a pause of 60 ms cannot
+    # wait for it. The level (30 dB under the utterance's peak) tells the pause sooner.
+    speech = trimmed(speech_pcm16("Then talk to an agent."))
+    end = 0.5 + seconds(speech)
+    timeline = noise_pcm16(0.5, seed=27) + speech + noise_pcm16(1.0, seed=28)
+    ep = Endpointer(SileroVad(), EndpointConfig(silence_ms=300, pause_ms=60))
+
+    events = run(ep, timeline)
+
+    assert kinds(events) == ["SpeechStarted", "SpeechPaused", "SpeechEnded"]
+    t_pause = events[1][0]
+    assert end + 0.02 <= t_pause <= end + 0.1, t_pause - end
+
+
+def test_speech_after_a_pause_is_reported_as_resumed_and_paused_again_later() -> None:
+    a = trimmed(speech_pcm16("Check my balance."))
+    b = trimmed(speech_pcm16("Then talk to an agent."))
+    gap = noise_pcm16(0.2, seed=22)  # longer than the pause, shorter than the end silence
+    timeline = noise_pcm16(0.5, seed=23) + a + gap + b + noise_pcm16(1.0, seed=24)
+
+    events = run(Endpointer(WebRtcVad(2), _pause_config()), timeline)
+
+    assert kinds(events) == [
+        "SpeechStarted",
+        "SpeechPaused",
+        "SpeechResumed",
+        "SpeechPaused",
+        "SpeechEnded",
+    ]
+    first, resumed, second = events[1][1], events[2][1], events[3][1]
+    assert isinstance(first, SpeechPaused) and isinstance(second, SpeechPaused)
+    assert isinstance(resumed, SpeechResumed) and resumed.pause == 1
+    assert second.pause == 2 and len(second.audio) > len(first.audio) + len(b)
+
+
+@pytest.mark.parametrize(("silence_ms", "after_pause_s"), [(160, 0.06), (900, 0.8)])
+def test_moving_the_silence_ends_this_turn_sooner_or_later_and_only_this_turn(
+    silence_ms: int, after_pause_s: float
+) -> None:
+    speech = trimmed(speech_pcm16("Check my balance."))
+    ep = Endpointer(WebRtcVad(2), _pause_config())
+    events = run(ep, noise_pcm16(0.5, seed=26) + speech)
+    assert kinds(events) == ["SpeechStarted"]
+    t = 0.5 + seconds(speech)
+    paused_at = ended_at = None
+    for frame, _ in frames(noise_pcm16(1.5, seed=25)):
+        event = ep.push(frame, t)
+        t += 0.02
+        if isinstance(event, SpeechPaused):
+            paused_at = t
+            ep.set_silence_ms(silence_ms)  # the end-of-turn verdict arrives at the pause
+            assert ep.silence_ms >= silence_ms
+        elif event is not None:
+            assert isinstance(event, SpeechEnded)
+            ended_at = t
+            break
+    assert paused_at is not None and ended_at is not None
+    assert ended_at - paused_at == pytest.approx(after_pause_s, abs=0.021)
+    assert ep.silence_ms == 300  # the next turn gets the configured silence again
+
+
+def test_a_pause_must_be_shorter_than_the_end_silence() -> None:
+    with pytest.raises(ValidationError, match="pause_ms"):
+        EndpointConfig(silence_ms=300, pause_ms=300)

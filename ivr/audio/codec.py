@@ -35,6 +35,11 @@ def pcm16_to_ulaw(b: bytes) -> bytes:
     return audioop.lin2ulaw(b, 2)
 
 
+def rms16(b: bytes) -> int:
+    """Root-mean-square level of PCM16 samples (0-32767), in C: ~1 µs per 20 ms frame."""
+    return int(audioop.rms(b, 2))
+
+
 def ulaw_silence(ms: int) -> bytes:
     """``ms`` milliseconds of mu-law silence at 8 kHz."""
     return ULAW_SILENCE * (SAMPLE_RATE * ms // 1000)

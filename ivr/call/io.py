@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ivr.call.turn_end import TurnPolicy
+
 
 @dataclass(frozen=True, slots=True)
 class Spoken:
@@ -38,6 +40,24 @@ class ListenSpec:
     """Key that ends DTMF collection early (not included in the digits); "" for none."""
     inter_digit_timeout: float = 3.0
     """Seconds after a key press before the collected digits are returned."""
+    turn: TurnPolicy = field(default_factory=TurnPolicy)
+    """How long a pause ends the caller's spoken turn (``ivr.call.turn_end``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmTransfer:
+    """How to hand the caller to a person: held in a conference while the agent is dialled and
+    hears ``summary`` (or one the LLM writes from ``conversation``), then joined."""
+
+    summary: str
+    """The rendered summary template: what the agent hears if no LLM summary is asked for or
+    it fails."""
+    summarize: bool = False
+    conversation: tuple[tuple[str, str], ...] = ()
+    """(role, text) of the conversation as the caller heard it, for the LLM summary."""
+    hold_music: str | None = None
+    """The conference ``waitUrl``: None is Twilio's default music, "" silence."""
+    ring_timeout: int = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +99,9 @@ class CallIO(Protocol):
         """Wait for the caller's next answer under ``spec``."""
         ...
 
-    async def transfer(self, number: str) -> None:
-        """Hand the call to ``number``; the stream ends afterwards."""
+    async def transfer(self, number: str, warm: WarmTransfer | None = None) -> None:
+        """Hand the call to ``number`` (``warm``: through a conference, the agent briefed
+        first); the stream ends afterwards."""
         ...
 
     async def hangup(self) -> None:

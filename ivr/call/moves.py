@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from ivr.call.connect import StreamConnector
-from ivr.call.io import CallerInput, ListenSpec, Spoken
+from ivr.call.io import CallerInput, ListenSpec, Spoken, WarmTransfer
 from ivr.call.live import LiveCall
 from ivr.call.session import CallSession
 from ivr.telephony.rest import TwilioRest
@@ -48,9 +48,9 @@ class MovedCallSession(CallSession):
         self._quiet = False
         return await super().listen(spec)
 
-    async def transfer(self, number: str) -> None:
+    async def transfer(self, number: str, warm: WarmTransfer | None = None) -> None:
         self._quiet = False
-        await super().transfer(number)
+        await super().transfer(number, warm)
 
     async def hangup(self) -> None:
         self._quiet = False

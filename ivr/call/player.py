@@ -18,6 +18,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ivr.audio.codec import ulaw_to_pcm16
+from ivr.audio.echo import FarEndReference
+
 FRAME_BYTES = 160  # 20 ms of 8 kHz mu-law
 BYTES_PER_SECOND = 8000
 ULAW_SILENCE = b"\xff"
@@ -44,6 +49,12 @@ class Segment:
     on_first_heard: Callable[[float], None] | None = None
     """When set, the first frame goes out alone, followed by a probe mark; its echo (Twilio
     played that frame) calls this with the echo's arrival time less one frame."""
+    audio: bytearray = field(default_factory=bytearray)
+    """Every whole frame queued so far: a pause can send the sentence again from its start."""
+    heard_before: float = 0.0
+    """Fraction heard before a pause cut it (it then plays again from ``replay_from``)."""
+    replay_from: int = 0
+    """Byte where the current playing of the audio starts (after a pause: its last phrase)."""
 
     @property
     def duration(self) -> float:
@@ -55,13 +66,14 @@ class Segment:
         if self.played.is_set() and not self.dropped:
             return 1.0
         if self.play_start is None or now <= self.play_start:
-            return 0.0
+            return self.heard_before
         # While TTS is still producing this sentence, its length is not known yet: measure
         # against what speaking the whole text takes, not against the audio received so far.
         length = (
             self.duration if self.closed else max(self.duration, len(self.text) * SPOKEN_S_PER_CHAR)
         )
-        return min(1.0, (now - self.play_start) / length)
+        played = now - self.play_start + self.replay_from / BYTES_PER_SECOND
+        return max(self.heard_before, min(1.0, played / length))
 
 
 def heard_prefix(text: str, fraction: float) -> str:
@@ -81,6 +93,31 @@ def heard_prefix(text: str, fraction: float) -> str:
         kept.append(word)
         used += len(word) + 1
     return " ".join(kept)
+
+
+PHRASE_GAP_FRAMES = 8
+"""A pause of 160 ms or more in the bot's audio: a sentence or clause boundary."""
+SILENT_POWER = (32768 * 10 ** (-45 / 20)) ** 2
+
+
+def phrase_start(ulaw: bytes | bytearray, upto: int) -> int:
+    """Where the phrase being spoken at byte ``upto`` of ``ulaw`` starts: just before the end
+    of the last pause in the audio before it (a sentence's start when the segment is a whole
+    cached prompt), or 0. Whole frames, so the replay stays frame-aligned."""
+    frames = min(upto, len(ulaw)) // FRAME_BYTES
+    if frames == 0:
+        return 0
+    pcm = np.frombuffer(ulaw_to_pcm16(bytes(ulaw[: frames * FRAME_BYTES])), dtype="<i2")
+    power = np.mean(pcm.astype(np.float64).reshape(frames, FRAME_BYTES) ** 2, axis=1)
+    run = 0
+    for i in range(frames - 1, -1, -1):
+        run = run + 1 if power[i] < SILENT_POWER else 0
+        if run >= PHRASE_GAP_FRAMES:  # the gap spans i .. i+run-1; keep 40 ms of it
+            gap_end = i + run
+            while gap_end < frames and power[gap_end] < SILENT_POWER:
+                gap_end += 1
+            return max(0, gap_end - 2) * FRAME_BYTES
+    return 0
 
 
 class AudioPlayer:
@@ -118,6 +155,9 @@ class AudioPlayer:
         """This generation's segments whose mark has not echoed yet, by seq."""
         self._pending_tail: dict[int, bytearray] = {}
         self._playout_end = 0.0
+        self._paused = False
+        self.far_end = FarEndReference()
+        """What the caller heard, on the playout clock: the reference for echo checks."""
 
     # -- producer side --------------------------------------------------------------------
 
@@ -158,6 +198,7 @@ class AudioPlayer:
 
     def _enqueue(self, segment: Segment, ulaw: bytes) -> None:
         segment.total_bytes += len(ulaw)
+        segment.audio += ulaw
         self._queue.append((segment, ulaw))
         self._queued_bytes += len(ulaw)
         self._wakeup.set()
@@ -201,8 +242,58 @@ class AudioPlayer:
         self._segments.clear()
         self._space.set()
         self._playout_end = now
+        self.far_end.cut(now)
+        if self._paused:  # nothing was sent since the pause's clear
+            self._paused = False
+            return
         async with self._send_lock:
             await self._send_clear()
+
+    async def pause(self) -> None:
+        """Stop playback now (``clear``) but keep what the caller has not heard: on ``resume()``
+        the sentence that was cut plays again from the start of its phrase (the last pause in
+        its audio before the cut); ``interrupt()`` drops it all."""
+        if self._paused:
+            return
+        now = self._clock()
+        self._paused = True
+        self._generation += 1  # marks already sent echo on the clear: they prove nothing
+        self._seq = 0
+        kept: dict[int, Segment] = {}
+        for segment in sorted(self._segments.values(), key=lambda s: s.seq):
+            fraction = segment.heard_fraction(now)
+            if segment.closed and fraction >= 1.0:  # played out; only its mark was pending
+                segment.played.set()
+                continue
+            segment.heard_before = fraction
+            if segment.play_start is not None:  # cut while playing: go back to its phrase
+                heard = segment.replay_from + (now - segment.play_start) * BYTES_PER_SECOND
+                segment.replay_from = phrase_start(segment.audio, int(heard))
+            self._seq += 1
+            segment.generation, segment.seq = self._generation, self._seq
+            segment.first_sent_at = segment.play_start = None
+            kept[segment.seq] = segment
+        self._segments = kept
+        self._queue.clear()
+        for segment in kept.values():
+            if len(segment.audio) > segment.replay_from:
+                self._queue.append((segment, bytes(segment.audio[segment.replay_from :])))
+            if segment.closed:
+                self._queue.append((segment, None))
+        self._queued_bytes = sum(len(a) for _, a in self._queue if a is not None)
+        self._playout_end = now
+        self.far_end.cut(now)
+        async with self._send_lock:
+            await self._send_clear()
+
+    def resume(self) -> None:
+        """After ``pause()``: play on, from the start of the phrase that was cut."""
+        self._paused = False
+        self._wakeup.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def on_mark(self, name: str) -> None:
         match = _MARK_NAME.fullmatch(name)
@@ -217,6 +308,7 @@ class AudioPlayer:
             probed = self._segments.get(seq)
             if probed is not None and probed.on_first_heard is not None:
                 probed.on_first_heard(self._clock() - FRAME_SECONDS)
+                probed.on_first_heard = None  # a resumed sentence is not heard "first" again
             return
         segment = self._segments.pop(seq, None)
         if segment is not None:
@@ -231,7 +323,7 @@ class AudioPlayer:
 
     async def run_sender(self) -> None:
         while True:
-            if not self._queue:
+            if not self._queue or self._paused:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -245,8 +337,9 @@ class AudioPlayer:
         segment, audio = self._queue[0]
         if audio is None:
             self._queue.popleft()
+            generation = segment.generation
             async with self._send_lock:
-                if segment.generation == self._generation:
+                if generation == self._generation and not self._paused:
                     await self._send_mark(self._mark_name(segment))
             return
         probe = segment.on_first_heard is not None and segment.first_sent_at is None
@@ -260,8 +353,9 @@ class AudioPlayer:
         self._queued_bytes -= len(chunk)
         if self._queued_bytes <= self._max_buffered:
             self._space.set()
+        generation = segment.generation  # a pause re-homes the segment: compare with this
         async with self._send_lock:
-            if segment.generation != self._generation:
+            if generation != self._generation or self._paused:
                 return
             now = self._clock()
             start = max(now, self._playout_end)
@@ -272,6 +366,7 @@ class AudioPlayer:
                 self._on_first_media(now)
                 self._on_first_media = None
             self._playout_end = start + len(chunk) / BYTES_PER_SECOND
+            self.far_end.played(start, chunk)
             await self._send_media(chunk)
             if probe:
                 await self._send_mark(self._mark_name(segment) + "h")

@@ -76,6 +76,7 @@ class SpeechHandle:
         self._segments: list[Segment] = []
         self._producer: asyncio.Task[None] | None = None
         self._interrupted = False
+        self._paused = False
         self._heard = ""
         self._apologised = False
         self._reply_broken = False
@@ -109,18 +110,42 @@ class SpeechHandle:
             return False
         return not self._producer.done() or self._player.speaking
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # -- pausing (the caller may be interrupting) -----------------------------------------
+
+    async def pause(self) -> None:
+        """Stop the audio now (``clear``) without ending the utterance: the producer goes on,
+        the unheard rest is kept. ``resume()`` plays on from the start of the sentence that
+        was cut; ``interrupt()`` makes it final."""
+        if self._interrupted or self._paused:
+            return
+        self._paused = True
+        log.info("barge_in.paused", pii_heard=self._heard_so_far())
+        await self._player.pause()
+
+    def resume(self) -> None:
+        if not self._paused or self._interrupted:
+            return
+        self._paused = False
+        self._player.resume()
+
     # -- ending ---------------------------------------------------------------------------
 
     async def interrupt(self, trigger: str) -> None:
-        """Stop now and drop what the caller has not heard (local queue and Twilio's buffer)."""
+        """Stop now and drop what the caller has not heard (local queue and Twilio's buffer;
+        after a ``pause()`` what was heard before it)."""
         if self._interrupted:
             return
         self._heard = self._heard_so_far()
         self._interrupted = True  # from here on the handle refuses to write (see _guard)
+        self._paused = False
         if self._producer is not None:
             self._producer.cancel()
         self._stats.barge_ins += 1
-        metrics.BARGE_INS.labels(trigger).inc()
+        metrics.BARGE_INS.labels(trigger, "interrupted").inc()
         log.info("barge_in", trigger=trigger, pii_heard=self._heard)
         await self._player.interrupt()
 

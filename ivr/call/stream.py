@@ -31,6 +31,7 @@ from ivr.call.summary import log_summary
 from ivr.call.tokens import StreamClaims, TokenRefused, admit
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
+from ivr.recording.recorder import CallRecorder
 from ivr.state.base import (
     CallExists,
     CallNotFound,
@@ -87,9 +88,14 @@ class _Outcome:
     session: CallSession | None = None
     redirected: bool = False
     """Twilio took the call over through a REST update (transfer): our part of it is over."""
+    held: bool = False
+    """The redirect put the caller on a warm transfer's hold: the call may come back, so the
+    record stays open (the transfer's callbacks end it)."""
     live: LiveCall | None = None
     rebuilt: bool = False
     """The record was rebuilt from ``start``: no other instance can read how the call ends."""
+    recorder: CallRecorder | None = None
+    """Records this stream (the call's record asks for it and a sink is configured)."""
 
 
 @dataclass(slots=True)
@@ -107,8 +113,14 @@ async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> No
     claims = await _authorise(ws, token, services)
     if claims is None:
         return
-    call_sid = claims.call_sid
-    await ws.accept()
+    with services.live.socket_open():  # a drain waits for the close, not just the session
+        await ws.accept()
+        await _serve_accepted(ws, claims.call_sid, claims.planned, services)
+
+
+async def _serve_accepted(
+    ws: WebSocket, call_sid: str, planned: bool, services: CallServices
+) -> None:
     try:
         start = await asyncio.wait_for(_wait_for_start(ws), START_TIMEOUT)
     except (TimeoutError, WebSocketDisconnect, ProtocolError) as exc:
@@ -129,8 +141,9 @@ async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> No
         outcome = _Outcome()
         started = time.monotonic()
         try:
-            await _run_call(ws, start, services, outcome, claims.planned)
+            await _run_call(ws, start, services, outcome, planned)
         finally:
+            _save_recording(services, outcome)
             metrics.ACTIVE_CALLS.dec()
             metrics.CALLS.labels(outcome.reason.value).inc()
             record = await _finish(services, start, outcome)
@@ -184,7 +197,9 @@ async def _wait_for_start(ws: WebSocket) -> Start:
             raise ProtocolError("stop_before_start")
 
 
-def _new_player(ws: WebSocket, start: Start, services: CallServices) -> AudioPlayer:
+def _new_player(
+    ws: WebSocket, start: Start, services: CallServices, outcome: _Outcome
+) -> AudioPlayer:
     started = time.monotonic()
 
     def first_media(sent_at: float) -> None:
@@ -193,10 +208,21 @@ def _new_player(ws: WebSocket, start: Start, services: CallServices) -> AudioPla
 
     send = ws.send_text  # only the player sends, under its own lock
     sid = start.stream_sid
+
+    async def send_media(ulaw: bytes) -> None:
+        await send(twilio.media_message(sid, ulaw))
+        if outcome.recorder is not None:  # heard from now, or after what Twilio has queued
+            outcome.recorder.bot_audio(ulaw)
+
+    async def send_clear() -> None:
+        if outcome.recorder is not None:  # what Twilio has not played yet is never heard
+            outcome.recorder.bot_cleared()
+        await send(twilio.clear_message(sid))
+
     return AudioPlayer(
-        send_media=lambda ulaw: send(twilio.media_message(sid, ulaw)),
+        send_media=send_media,
         send_mark=lambda name: send(twilio.mark_message(sid, name)),
-        send_clear=lambda: send(twilio.clear_message(sid)),
+        send_clear=send_clear,
         lead_seconds=services.playout_lead,
         on_first_media=first_media,
     )
@@ -205,9 +231,10 @@ def _new_player(ws: WebSocket, start: Start, services: CallServices) -> AudioPla
 async def _run_call(
     ws: WebSocket, start: Start, services: CallServices, outcome: _Outcome, planned: bool
 ) -> None:
-    player = _new_player(ws, start, services)
+    player = _new_player(ws, start, services, outcome)
     record, rebuilt = await _attach(services, start, planned)
     outcome.rebuilt = rebuilt
+    outcome.recorder = _recorder_for(services, record, start)
     endpointer = services.new_endpointer()
     # A planned move skips what the flow says before it listens again; not on a rebuilt
     # record, whose flow starts from its greeting.
@@ -220,7 +247,7 @@ async def _run_call(
         "call.stream_started", resumed=record.stream_count > 1, planned=planned, rebuilt=rebuilt
     )
     tasks = _CallTasks(
-        receive=asyncio.create_task(_receive(ws, session), name="receive"),
+        receive=asyncio.create_task(_receive(ws, session, outcome.recorder), name="receive"),
         conversation=asyncio.create_task(
             services.conversation.run(session, record), name="conversation"
         ),
@@ -236,6 +263,7 @@ async def _run_call(
         for task in tasks.all:
             task.cancel()
         await asyncio.gather(*tasks.all, return_exceptions=True)
+        await session.aclose()
         endpointer.close()
         services.live.remove(live)
     if outcome.reason in (StreamOutcome.STOP, StreamOutcome.DISCONNECT):
@@ -263,6 +291,7 @@ def _new_session(
         on_end=on_end,
         llm_name=services.llm_name,
         heard_within=services.heard_within,
+        turn_model=services.turn_model,
     )
 
 
@@ -279,7 +308,15 @@ async def _until_first_ends(
         return
     end = outcome.end
     if finished is tasks.conversation and end is not None and end.action == EndAction.TRANSFER:
-        outcome.redirected = await _transfer_by_rest(services, start.call_sid, end, tasks.receive)
+        if end.warm is not None and services.warm is not None:
+            outcome.held = await services.warm.hold(start.call_sid, end, tasks.receive)
+            outcome.redirected = outcome.held
+        else:
+            if end.warm is not None:
+                log.warning("call.warm_transfer_made_cold", reason="no Twilio REST credentials")
+            outcome.redirected = await _transfer_by_rest(
+                services, start.call_sid, end, tasks.receive
+            )
         if not outcome.redirected and _ended_by_stop(tasks.receive):
             outcome.reason = StreamOutcome.STOP  # the caller hung up during the handoff
     elif (
@@ -380,7 +417,9 @@ async def _hang_up_without_store(
     await asyncio.wait({receive}, timeout=HANGUP_HOLD_SECONDS)
 
 
-async def _receive(ws: WebSocket, session: CallSession) -> StreamOutcome:
+async def _receive(
+    ws: WebSocket, session: CallSession, recorder: CallRecorder | None
+) -> StreamOutcome:
     """Dispatch Twilio's messages until ``stop`` or the socket closes; never raise on bad input."""
     last_sequence = 0
     reported: set[str] = set()
@@ -402,6 +441,8 @@ async def _receive(ws: WebSocket, session: CallSession) -> StreamOutcome:
             metrics.PROTOCOL_ERRORS.labels("sequence_gap").inc()
         last_sequence = max(last_sequence, sequence)
         if isinstance(message, Media):
+            if recorder is not None:
+                recorder.caller_audio(message.payload, message.timestamp_ms / 1000)
             await session.on_media(message.payload, message.timestamp_ms / 1000)
         elif isinstance(message, Dtmf):
             await session.on_dtmf(message.digit)
@@ -411,6 +452,27 @@ async def _receive(ws: WebSocket, session: CallSession) -> StreamOutcome:
             return StreamOutcome.STOP
         elif isinstance(message, Unknown):
             metrics.UNKNOWN_EVENTS.inc()
+
+
+def _recorder_for(services: CallServices, record: CallRecord, start: Start) -> CallRecorder | None:
+    """A recorder when the call's record asks for one (its flow decided at webhook time)."""
+    if not record.record_call:
+        return None
+    if services.recordings is None:
+        log.warning("recording.no_sink", detail="the flow records calls but neither "
+                    "IVR_RECORDING_DIR nor IVR_RECORDING_S3_BUCKET is set")  # fmt: skip
+        return None
+    return services.recordings.begin(start.call_sid, start.stream_sid)
+
+
+def _save_recording(services: CallServices, outcome: _Outcome) -> None:
+    """Hand the stream's recording over to be saved in the background; never fails the call."""
+    if outcome.recorder is None or services.recordings is None:
+        return
+    try:
+        services.recordings.finish(outcome.recorder)
+    except Exception as exc:  # a bug in the recorder must not skip the call's teardown
+        log.error("recording.finish_failed", error=repr(exc))
 
 
 async def _attach(services: CallServices, start: Start, planned: bool) -> tuple[CallRecord, bool]:
@@ -445,11 +507,13 @@ async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> Ca
     call_sid = start.call_sid
     end = outcome.end
     turns = outcome.session.unsaved_turns() if outcome.session is not None else []
+    events = outcome.session.timeline.drain() if outcome.session is not None else []
 
     def mark(record: CallRecord) -> None:
         for turn in turns:
             record.add_turn(turn)
-        if end is not None:
+        record.add_events(events)
+        if end is not None and not outcome.held:  # held: the transfer owns these fields
             record.end_action = end.action.value
             record.transfer_to = end.number
             record.status = (
@@ -462,7 +526,7 @@ async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> Ca
 
     try:
         record = await store.update(call_sid, fenced(start.stream_sid, mark))
-        if outcome.redirected:  # no action request follows a REST redirect: end the record here
+        if outcome.redirected and not outcome.held:  # no action request follows a redirect
             await store.end(call_sid, CallStatus.TRANSFERRING)
         elif outcome.reason == StreamOutcome.STOP or (
             end is not None and end.action == EndAction.HANGUP

@@ -146,7 +146,9 @@ class AgentSteps:
             system += "\n\n# Reference information\n\n" + node.knowledge_text
         messages = (ChatMessage("system", system), *(_chat(m) for m in self.state.history))
         tools = tuple(ToolSpec(t.name, t.description, t.parameters) for t in node.tools)
-        self.ctx.actions.append(AgentTurn(messages, tools, node.interruptible, node.max_tokens))
+        policy = self.flow.interruptions(self.state.node)
+        turn = AgentTurn(messages, tools, node.interruptible, node.max_tokens, policy)
+        self.ctx.actions.append(turn)
         self.state.tool_rounds += 1
         self.state.waiting = "agent"
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ivr import phrases
+from ivr.call.io import WarmTransfer
 from ivr.errors import FlowError
 from ivr.flows import argcheck, matching
 from ivr.flows.agent import AgentSteps
@@ -119,9 +120,14 @@ CALL_VARIABLES = ("caller", "called", "call_sid")
 
 def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, list[FlowAction]]:
     run = _Step(flow, state.model_copy(deep=True))
-    run.state.steps += 1
-    run.handle(event)
-    return run.state, run.actions
+    try:
+        run.state.steps += 1
+        run.handle(event)
+        return run.state, run.actions
+    finally:
+        # The agent steps point back at the step: without this, every step (one per caller
+        # pause with speculation) leaves its copy of the state for the cyclic GC to find.
+        del run.agent
 
 
 class _Step:
@@ -195,11 +201,14 @@ class _Step:
     def render(self, text: str) -> str:
         return render(text, self.scope())
 
-    def say(self, text: str | None, interruptible: bool = True) -> None:
+    def say(self, text: str | None, interruptible: bool = True, after_beep: bool = False) -> None:
         if text:
             rendered = self.render(text)
             if rendered.strip():
-                self.actions.append(Say(rendered, interruptible))
+                policy = self.flow.interruptions(self.state.node)
+                self.actions.append(
+                    Say(rendered, interruptible and not after_beep, after_beep, policy)
+                )
 
     def goto(self, target: str) -> None:
         for _ in range(MAX_HOPS):
@@ -220,7 +229,7 @@ class _Step:
         self.state.attempts = 0
         self.state.waiting = "start"
         if isinstance(node, SayNode):
-            self.say(node.text, node.interruptible)
+            self.say(node.text, node.interruptible, node.after_beep)
             return node.next
         if isinstance(node, SetNode):
             self.state.vars.update(render_value(node.values, self.scope()))
@@ -255,13 +264,42 @@ class _Step:
                 self.actions.append(Hangup())
                 self._finish("hangup")
                 return
-            self.actions.append(Transfer(number))
             self.state.transfer_to = number
+            if node.warm:
+                self._warm_transfer(node, number)
+                return
+            self.actions.append(Transfer(number))
             self._finish("transfer")
         elif isinstance(node, HangupNode):
             self.say(node.say, interruptible=False)
             self.actions.append(Hangup())
             self._finish("hangup")
+
+    def _warm_transfer(self, node: TransferNode, number: str) -> None:
+        """The call leaves the stream but the flow waits: the agent may not take it, and then
+        the call comes back here (``transfer_result`` set) and goes on at ``fallback``."""
+        conversation = tuple(
+            (item.role, item.content)
+            for item in self.state.history
+            if item.role in ("user", "assistant") and item.content
+        )
+        warm = WarmTransfer(
+            summary=self.render(node.summary or phrases.WARM_TRANSFER_SUMMARY).strip(),
+            summarize=node.summarize,
+            conversation=conversation,
+            hold_music=node.hold_music,
+            ring_timeout=node.ring_timeout,
+        )
+        self.actions.append(Transfer(number, warm))
+        self.state.outcome = "transfer"
+        self.state.transfer_result = None
+        self.state.waiting = "transfer"
+
+    def _transfer_not_taken(self, node: TransferNode, result: str) -> None:
+        self.state.vars["transfer_status"] = result
+        self.state.outcome = self.state.transfer_to = self.state.transfer_result = None
+        assert node.fallback is not None  # the model requires it with warm: true
+        self.goto(node.fallback)
 
     def _finish(self, outcome: Any) -> None:
         self.state.outcome = outcome
@@ -313,6 +351,11 @@ class _Step:
         self.goto(self.root.start)
 
     def _resume(self, event: Resumed) -> None:
+        node = None if self.lost else self.flow.nodes.get(self.state.node)
+        result = self.state.transfer_result
+        if isinstance(node, TransferNode) and self.state.waiting == "transfer" and result:
+            self._transfer_not_taken(node, result)  # back from the hold: no apology is due
+            return
         self.say(self.flow.resume_prompt or self.root.resume_prompt or event.resume_prompt)
         if self.lost:
             self._restart()

@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ivr.call.io import ListenSpec
+from ivr.call.interruptions import InterruptionPolicy
+from ivr.call.io import ListenSpec, WarmTransfer
 from ivr.llm.base import ChatMessage, ToolSpec
 
 # ---------------------------------------------------------------- state
 
-Waiting = Literal["start", "input", "classify", "agent", "http", "tool_http", "done"]
+Waiting = Literal["start", "input", "classify", "agent", "http", "tool_http", "transfer", "done"]
 Outcome = Literal["hangup", "transfer", "caller_hangup"]
 
 
@@ -97,6 +98,9 @@ class FlowState(BaseModel):
     history: list[HistoryItem] = Field(default_factory=list)
     outcome: Outcome | None = None
     transfer_to: str | None = None
+    transfer_result: str | None = None
+    """Why a warm transfer did not reach the agent (no-answer, busy, ...): set when the caller
+    comes back from the hold, read once by the engine on resume (then ``transfer_status``)."""
     steps: int = 0
     call_id: str = ""
     """Identifies the call in idempotency keys (its CallSid; the runner sets it)."""
@@ -196,6 +200,10 @@ FlowEvent = (
 class Say:
     text: str
     interruptible: bool = True
+    after_beep: bool = False
+    """Wait for a machine's greeting and beep to be over first (a voicemail)."""
+    interruptions: InterruptionPolicy | None = None
+    """What counts as the caller interrupting it (None: the defaults)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +218,7 @@ class AgentTurn:
     tools: tuple[ToolSpec, ...] = ()
     interruptible: bool = True
     max_tokens: int | None = None
+    interruptions: InterruptionPolicy | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +252,7 @@ class HttpRequest:
 @dataclass(frozen=True, slots=True)
 class Transfer:
     number: str
+    warm: WarmTransfer | None = None
 
 
 @dataclass(frozen=True, slots=True)

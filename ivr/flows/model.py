@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from ivr.call.interruptions import DEFAULT_BACKCHANNELS, InterruptionPolicy
+from ivr.call.turn_end import Expect
 from ivr.telephony.dialing import is_dialable
 
 NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
@@ -197,12 +199,65 @@ class EnvVar(Spec):
     default: Any = None
 
 
+class Interruptions(Spec):
+    """What counts as the caller interrupting a prompt (the prompt must be interruptible).
+    Echo of the bot and unvoiced noise never do; other speech pauses the prompt at once, and
+    its transcript decides: a real turn interrupts it, anything else resumes it."""
+
+    min_speech_ms: int = Field(
+        default=100, ge=20, le=2000, description="Caller sound before the prompt pauses."
+    )
+    min_words: int = Field(
+        default=1, ge=0, le=20, description="Words, backchannel not counted, that interrupt."
+    )
+    backchannels: list[str] | None = Field(
+        default=None,
+        description="Phrases that show the caller is listening (default: uh-huh, mm-hmm, "
+        "okay, yeah, right, ...); [] makes every word count.",
+    )
+
+    def policy(self) -> InterruptionPolicy:
+        words = DEFAULT_BACKCHANNELS if self.backchannels is None else tuple(self.backchannels)
+        return InterruptionPolicy(
+            min_speech_ms=self.min_speech_ms, min_words=self.min_words, backchannels=words
+        )
+
+
 class Defaults(Spec):
     no_input_timeout: float = Field(default=6.0, gt=0, le=60)
     max_retries: int = Field(default=2, ge=0, le=10)
     no_input_prompt: str = "Sorry, I didn't hear anything."
     no_match_prompt: str = "Sorry, I didn't get that."
     error_prompt: str = "Sorry, something went wrong on our side."
+    interruptions: Interruptions = Field(default_factory=Interruptions)
+
+
+class RecordingSpec(Spec):
+    """Whether the gateway records this flow's calls (caller left, bot right as heard)."""
+
+    enabled: bool | Literal["never"] = Field(
+        default=False,
+        description="true: record every call; false: only a call that asks for it (per call); "
+        "never: no call of this flow is recorded, whatever it asks.",
+    )
+    consent_prompt: str | None = Field(
+        default=None,
+        description="Said first, uninterruptible, on every recorded call (plain text, not a "
+        "template), e.g. 'This call may be recorded for quality purposes.'",
+    )
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _true_false_or_never(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "never":
+            return value
+        raise ValueError(f"recording.enabled must be true, false or never, got {value!r}")
+
+    def records(self, asked: bool) -> bool:
+        """Whether a call of this flow is recorded, given what the call itself asked."""
+        if self.enabled == "never":
+            return False
+        return self.enabled is True or asked
 
 
 # ---------------------------------------------------------------- nodes
@@ -216,12 +271,71 @@ class SayNode(NodeBase):
     kind: Literal["say"]
     text: str
     interruptible: bool = True
+    interruptions: Interruptions | None = None
+    after_beep: bool = Field(
+        default=False,
+        description="Voicemail: on an outbound call answered by a machine, wait until its "
+        "greeting and beep are over, then say the text whole (never interrupted).",
+    )
     next: str | None = None
+
+
+class TurnSpec(Spec):
+    """When a spoken answer is over: the pause that ends it, by what the node waits for.
+
+    A pause ends the turn after ``min_silence_ms`` when the answer is clearly complete, after
+    ``max_silence_ms`` when it is clearly not ("my number is", "and", digits still missing),
+    and in between by how sure the end-of-turn model is. Unset values come from ``expect``.
+    """
+
+    expect: Expect = Field(
+        default="any",
+        description="any: free speech (250-1500 ms, 300 when unsure); digits: a number read "
+        "out, e.g. an account number (500-2500 ms); yes_no: a yes/no question (200-1000 ms).",
+    )
+    digits: int | None = Field(
+        default=None,
+        ge=1,
+        le=32,
+        description="expect: digits only: how many digits the answer has (default: the node's "
+        "digits.num_digits); once they are all said, a short pause ends the turn.",
+    )
+    min_silence_ms: int | None = Field(
+        default=None, ge=100, le=3000, description="Pause that ends a clearly complete answer."
+    )
+    max_silence_ms: int | None = Field(
+        default=None, ge=200, le=5000, description="Pause that ends a clearly unfinished one."
+    )
+    fallback_silence_ms: int | None = Field(
+        default=None,
+        ge=100,
+        le=5000,
+        description="Pause that ends the turn when nothing tells whether it is complete (no "
+        "transcript yet, end-of-turn model unavailable); default: between the two.",
+    )
+
+    @model_validator(mode="after")
+    def _in_order(self) -> TurnSpec:
+        low, high = self.min_silence_ms, self.max_silence_ms
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_silence_ms ({low}) is above max_silence_ms ({high})")
+        fallback = self.fallback_silence_ms
+        if fallback is not None and (
+            (low is not None and fallback < low) or (high is not None and fallback > high)
+        ):
+            raise ValueError(
+                f"fallback_silence_ms ({fallback}) must lie between min_silence_ms and "
+                "max_silence_ms"
+            )
+        if self.digits is not None and self.expect != "digits":
+            raise ValueError(f"digits: {self.digits} only applies with 'expect: digits'")
+        return self
 
 
 class _InputNode(NodeBase):
     prompt: str
     interruptible: bool = True
+    interruptions: Interruptions | None = None
     speech: bool = True
     dtmf: bool = True
     digits: DtmfSpec = Field(default_factory=DtmfSpec)
@@ -231,6 +345,9 @@ class _InputNode(NodeBase):
     max_retries: int | None = Field(default=None, ge=0, le=10)
     fallback: str = Field(default="hangup", description="Where to go after the retries run out.")
     store: VarName | None = Field(default=None, description="Variable that receives the answer.")
+    turn: TurnSpec = Field(
+        default_factory=TurnSpec, description="When a spoken answer is over (pause lengths)."
+    )
 
 
 class AskNode(_InputNode):
@@ -309,7 +426,11 @@ class AgentNode(NodeBase):
     on_no_input: str = "hangup"
     on_error: str | None = Field(default=None, description="Where to go if the LLM fails.")
     interruptible: bool = True
+    interruptions: Interruptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    turn: TurnSpec = Field(
+        default_factory=TurnSpec, description="When the caller's turn is over (pause lengths)."
+    )
 
     @model_validator(mode="after")
     def _max_turns_target(self) -> AgentNode:
@@ -341,6 +462,30 @@ class TransferNode(NodeBase):
     kind: Literal["transfer"]
     number: str
     say: str | None = None
+    warm: bool = Field(
+        default=False,
+        description="Hold the caller in a conference, dial the number, let the agent hear "
+        "'summary', then join them; 'fallback' when the agent does not answer.",
+    )
+    fallback: str | None = Field(
+        default=None, description="Warm only: where the call goes on if the agent is not joined."
+    )
+    summary: str | None = Field(
+        default=None, description="Warm only: what the agent hears before joining (template)."
+    )
+    summarize: bool = Field(
+        default=False,
+        description="Warm only: the LLM writes the summary from the conversation ('summary' "
+        "is its fallback and its facts).",
+    )
+    hold_music: str | None = Field(
+        default=None,
+        description="Warm only: the conference waitUrl (audio or TwiML URL); '' is silence, "
+        "unset is Twilio's default music.",
+    )
+    ring_timeout: int = Field(
+        default=20, ge=5, le=120, description="Warm only: seconds the agent's phone rings."
+    )
 
     @field_validator("number")
     @classmethod
@@ -349,6 +494,24 @@ class TransferNode(NodeBase):
         if "{{" not in value and not is_dialable(value):
             raise ValueError(f"transfer number '{value}' must be in E.164 form, e.g. +15550100998")
         return value
+
+    @model_validator(mode="after")
+    def _warm_options(self) -> TransferNode:
+        if self.warm and self.fallback is None:
+            raise ValueError(
+                "a warm transfer needs 'fallback:': the node the call goes on at when the "
+                "agent does not answer"
+            )
+        if not self.warm:
+            given = [k for k in _WARM_ONLY if k in self.model_fields_set]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with 'warm: true'")
+        if self.hold_music and not self.hold_music.startswith(("https://", "http://")):
+            raise ValueError(f"hold_music '{self.hold_music}' must be an http(s) URL (or '')")
+        return self
+
+
+_WARM_ONLY = ("fallback", "summary", "summarize", "hold_music", "ring_timeout")
 
 
 class HangupNode(NodeBase):
@@ -430,6 +593,7 @@ class Flow(Spec):
     resume_prompt: str | None = Field(
         default=None, description="Said first when a call resumes on another instance."
     )
+    recording: RecordingSpec = Field(default_factory=RecordingSpec)
     nodes: dict[NodeName, Node] = Field(min_length=1)
 
     # Filled by the loader, not written by operators.
@@ -454,3 +618,9 @@ class Flow(Spec):
     def flow_named(self, name: str) -> Flow | None:
         """This flow or one it includes."""
         return self if name == self.name else self.subflows.get(name)
+
+    def interruptions(self, node_name: str) -> InterruptionPolicy:
+        """What interrupts the prompts of ``node_name``: its own block, else the defaults'."""
+        node = self.nodes.get(node_name)
+        own = getattr(node, "interruptions", None)
+        return (own if isinstance(own, Interruptions) else self.defaults.interruptions).policy()

@@ -21,8 +21,12 @@ from typing import Any
 import httpx
 import structlog
 
-from ivr.call.io import CallIO, Digits, HungUp, NoInput, Utterance
+from ivr.call.interruptions import InterruptionPolicy, SupportsInterruptionPolicy
+from ivr.call.io import CallIO, Digits, HungUp, NoInput, Spoken, Utterance
+from ivr.call.speculation import SupportsSpeculation
+from ivr.call.timeline import CallTimeline, HasTimeline
 from ivr.errors import ProviderError
+from ivr.flows.classifier import classifier_request
 from ivr.flows.engine import FlowRuntimeError, call_env, new_state, step
 from ivr.flows.events import (
     AgentTurn,
@@ -47,9 +51,12 @@ from ivr.flows.events import (
     Transfer,
 )
 from ivr.flows.model import Flow
+from ivr.flows.privacy import stored_digits
+from ivr.flows.speculation import PrefetchingModel, TurnSpeculator
 from ivr.flows.waits import answered, kept_answer
-from ivr.llm.base import ChatMessage, LanguageModel, TextDelta, ToolCall
+from ivr.llm.base import LanguageModel, TextDelta, ToolCall
 from ivr.obs.metrics import count_provider_error
+from ivr.obs.pii import mask_speech
 
 log = structlog.get_logger("ivr.flows")
 
@@ -71,20 +78,44 @@ class FlowRunner:
         call_vars: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         resume_prompt: str = "",
+        wait_for_beep: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``resume_prompt`` is the gateway's apology when a call resumes, for flows that set
-        none of their own (``IVR_RESUME_PROMPT``)."""
+        none of their own (``IVR_RESUME_PROMPT``). ``wait_for_beep`` returns once a machine's
+        greeting is over (outbound calls); a ``say`` with ``after_beep`` waits for it."""
         self.flow = flow
         self.io = io
-        self.llm = llm
+        # Per call: a reply may be requested while the caller pauses, and adopted if the
+        # turn ends on the same words (see ivr.flows.speculation).
+        self.llm: LanguageModel | None = PrefetchingModel(llm) if llm is not None else None
+        self._speculator = (
+            TurnSpeculator(flow, self.llm, io)
+            if isinstance(io, SupportsSpeculation) and isinstance(self.llm, PrefetchingModel)
+            else None
+        )
+        self._state: FlowState | None = None
         self.http = http
         self.on_step = on_step
         self.call_vars = dict(call_vars or {})
         self.env = env
         self.resume_prompt = resume_prompt
+        self.wait_for_beep = wait_for_beep
+        # Key presses, barge-ins and node changes, for the call record (saved with each step).
+        self.timeline: CallTimeline | None = io.timeline if isinstance(io, HasTimeline) else None
 
     async def run(self, state: FlowState | None = None) -> FlowState:
         """Run until the call ends (hang-up, transfer, caller gone); returns the final state."""
+        speculator = self._speculator
+        if speculator is None or not isinstance(self.io, SupportsSpeculation):
+            return await self._run(state)
+        self.io.on_tentative_input(speculator.on_tentative)
+        try:
+            return await self._run(state)
+        finally:
+            self.io.on_tentative_input(None)
+            await speculator.aclose()
+
+    async def _run(self, state: FlowState | None) -> FlowState:
         event: FlowEvent
         if state is None or state.waiting == "start":
             state = state or new_state(self.flow, self.call_vars, self.env)
@@ -94,14 +125,18 @@ class FlowRunner:
             event = Resumed(self.resume_prompt)
         if not state.call_id:  # a new call, or one saved before keys existed
             state = state.model_copy(update={"call_id": self._call_id()})
+        # A new call's first landing is a node change too; a resumed one's is not.
+        at = ("", "") if isinstance(event, CallStarted) else (state.flow, state.node)
         while True:
             state, actions = step(self.flow, state, event)
+            self._state = state
+            at = self._note_node(at, state)
             log.debug("flow.step", flow=self.flow.name, node=state.node, waiting=state.waiting)
             if self.on_step is not None:
                 await self.on_step(state)
             result = await self._execute(actions)
             if result is None:
-                if not state.done:
+                if not state.done and state.waiting != "transfer":  # warm: the call may return
                     raise FlowRuntimeError(
                         f"node '{state.node}' stopped without waiting for anything"
                     )
@@ -110,6 +145,24 @@ class FlowRunner:
             if isinstance(result, HttpResult) and isinstance(actions[-1], HttpRequest):
                 state, result = await self._keep_answer(state, actions[-1], result)
             event = result
+
+    def _note_node(self, at: tuple[str, str], state: FlowState) -> tuple[str, str]:
+        """Where the step landed; a node change is noted on the timeline."""
+        now = (state.flow, state.node)
+        if self.timeline is not None and state.node and now != at:
+            self.timeline.add("node", flow=state.flow, to=state.node, **{"from": at[1]})
+        return now
+
+    def _note_spoken(self, spoken: Spoken) -> None:
+        if self.timeline is not None and spoken.interrupted:
+            node = self._state.node if self._state is not None else ""
+            heard = mask_speech(spoken.text_heard)  # stored like the history it ends
+            self.timeline.add("barge_in", node=node, heard=heard)
+
+    def _note_keys(self, heard: Utterance | Digits | NoInput | HungUp) -> None:
+        if self.timeline is not None and isinstance(heard, Digits) and self._state is not None:
+            digits = stored_digits(self.flow, self._state, heard.digits)
+            self.timeline.add("dtmf", node=self._state.node, digits=digits)
 
     def _call_id(self) -> str:
         """The call in idempotency keys: its CallSid, else (tests, tools) a random id."""
@@ -129,12 +182,20 @@ class FlowRunner:
             await self.on_step(state)
         return state, kept
 
+    def _interruptions(self, policy: InterruptionPolicy | None) -> None:
+        if isinstance(self.io, SupportsInterruptionPolicy):
+            self.io.set_interruption_policy(policy)
+
     async def _execute(self, actions: list[FlowAction]) -> FlowEvent | None:
         for action in actions:
             if isinstance(action, Say):
-                await self.io.say(action.text, interruptible=action.interruptible)
+                if action.after_beep and self.wait_for_beep is not None:
+                    await self.wait_for_beep()
+                self._interruptions(action.interruptions)
+                spoken = await self.io.say(action.text, interruptible=action.interruptible)
+                self._note_spoken(spoken)
             elif isinstance(action, Transfer):
-                await self.io.transfer(action.number)
+                await self.io.transfer(action.number, action.warm)
             elif isinstance(action, Hangup):
                 await self.io.hangup()
             else:
@@ -143,7 +204,16 @@ class FlowRunner:
 
     async def _wait_for(self, action: FlowAction) -> FlowEvent:
         if isinstance(action, Listen):
-            return _caller_event(await self.io.listen(action.spec))
+            if self._speculator is None:
+                heard = await self.io.listen(action.spec)
+            else:
+                self._speculator.listening(self._state)
+                try:
+                    heard = await self.io.listen(action.spec)
+                finally:
+                    self._speculator.listening(None)
+            self._note_keys(heard)
+            return _caller_event(heard)
         if isinstance(action, AgentTurn):
             return await self._agent_turn(action)
         if isinstance(action, ClassifyIntent):
@@ -177,9 +247,11 @@ class FlowRunner:
 
         chunks = deltas()
         try:
+            self._interruptions(turn.interruptions)
             spoken = await self.io.say_stream(chunks, interruptible=turn.interruptible)
         finally:
             await chunks.aclose()  # an interrupted reply stops generating on the server
+        self._note_spoken(spoken)
         if errors:
             log.warning("flow.llm_failed", flow=self.flow.name, error=errors[0])
         return LlmReplied(
@@ -192,9 +264,9 @@ class FlowRunner:
     async def _classify(self, ask: ClassifyIntent) -> IntentClassified:
         if self.llm is None:
             return IntentClassified(None, error="no language model is configured")
-        schema = classifier_schema(ask)
+        messages, schema = classifier_request(ask)
         text: list[str] = []
-        stream = self.llm.stream_chat(_classifier_messages(ask), json_schema=schema)
+        stream = self.llm.stream_chat(messages, json_schema=schema)
         try:
             async for item in stream:
                 if isinstance(item, TextDelta):
@@ -282,33 +354,3 @@ def _caller_event(heard: Utterance | Digits | NoInput | HungUp) -> FlowEvent:
     if isinstance(heard, NoInput):
         return CallerSilent()
     return CallerHungUp()
-
-
-def classifier_schema(ask: ClassifyIntent) -> dict[str, Any]:
-    """Strict structured-output schema: the intent (or "none") plus any slots, all nullable."""
-    props: dict[str, Any] = {}
-    if ask.intents:
-        props["intent"] = {"type": "string", "enum": [i.name for i in ask.intents] + ["none"]}
-    if ask.extract_schema is not None:
-        for name, prop in ask.extract_schema.get("properties", {}).items():
-            kind = prop.get("type")
-            nullable = [kind, "null"] if isinstance(kind, str) else kind
-            props[name] = {**prop, "type": nullable} if kind else prop
-    return {
-        "type": "object",
-        "properties": props,
-        "required": list(props),
-        "additionalProperties": False,
-    }
-
-
-def _classifier_messages(ask: ClassifyIntent) -> list[ChatMessage]:
-    lines = ["You read what a phone caller said and answer only with JSON."]
-    if ask.intents:
-        lines.append('Pick the caller\'s intent from this list, or "none" if none fits:')
-        for intent in ask.intents:
-            examples = "; ".join(intent.examples[:5])
-            lines.append(f"- {intent.name}: {intent.description} (e.g. {examples})")
-    if ask.extract_schema is not None:
-        lines.append("Extract the fields of the schema from the answer; null when not said.")
-    return [ChatMessage("system", "\n".join(lines)), ChatMessage("user", ask.text)]

@@ -30,6 +30,7 @@ from ivr.flows.model import (
     SayNode,
     SetNode,
     SubflowNode,
+    TransferNode,
 )
 from ivr.flows.problems import Path_, Problem, SourceMap
 
@@ -41,6 +42,9 @@ BUILTIN_VARIABLES = (
     "last_intent",
     "http_status",
     "http_error",
+    "direction",
+    "answered_by",
+    "transfer_status",
 )
 # Keys whose string values are names, phrases or schemas, never templates.
 _NOT_TEMPLATES = frozenset(
@@ -49,7 +53,7 @@ _NOT_TEMPLATES = frozenset(
         "description", "name", "key", "intent", "pattern", "var", "parameters", "schema",
         "knowledge", "knowledge_text", "store", "matches", "method", "history", "map",
         "examples", "equals", "not_equals", "in", "contains", "when", "options", "routes",
-        "exit_when", "cases", "tools", "result", "idempotency_header",
+        "exit_when", "cases", "tools", "result", "idempotency_header", "hold_music",
     }
 )  # fmt: skip
 
@@ -79,6 +83,8 @@ def edges(node: Node) -> Iterator[tuple[Path_, str]]:
                 yield (name,), getattr(node, name)
     if isinstance(node, AgentNode):
         yield from _agent_edges(node)
+    if isinstance(node, TransferNode) and node.fallback is not None:
+        yield ("fallback",), node.fallback  # a warm transfer the agent did not take
 
 
 def _agent_edges(node: AgentNode) -> Iterator[tuple[Path_, str]]:

@@ -12,8 +12,9 @@ from dataclasses import replace
 from typing import Any
 
 from ivr.call.io import ListenSpec
+from ivr.call.turn_end import TurnPolicy, policy_for
 from ivr.flows.events import FlowState, HttpRequest, HttpResult, KeptAnswer, SentRequest
-from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode
+from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode, TurnSpec
 from ivr.flows.template import lookup, render, render_url, render_value
 
 
@@ -21,7 +22,9 @@ def listen_spec(flow: Flow, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
     """How to listen at ``node`` of ``flow`` (the flow gives the default no-input timeout)."""
     timeout = node.no_input_timeout or flow.defaults.no_input_timeout
     if isinstance(node, AgentNode):
-        return ListenSpec(speech=True, dtmf=True, no_input_timeout=timeout)
+        return ListenSpec(
+            speech=True, dtmf=True, no_input_timeout=timeout, turn=turn_policy(node.turn)
+        )
     return ListenSpec(
         speech=node.speech,
         dtmf=node.dtmf,
@@ -29,6 +32,22 @@ def listen_spec(flow: Flow, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
         num_digits=_num_digits(node),
         finish_on_key=node.digits.finish_on_key,
         inter_digit_timeout=node.digits.inter_digit_timeout,
+        turn=turn_policy(node.turn, node.digits.num_digits),
+    )
+
+
+def turn_policy(spec: TurnSpec, dtmf_digits: int | None = None) -> TurnPolicy:
+    """The node's ``turn:`` block as the call's policy; an answer of digits has as many as the
+    node's DTMF ``num_digits`` unless the block says otherwise."""
+    digits = spec.digits
+    if spec.expect == "digits" and digits is None:
+        digits = dtmf_digits
+    return policy_for(
+        spec.expect,
+        digits=digits,
+        min_silence_ms=spec.min_silence_ms,
+        max_silence_ms=spec.max_silence_ms,
+        fallback_silence_ms=spec.fallback_silence_ms,
     )
 
 

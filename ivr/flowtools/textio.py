@@ -9,11 +9,22 @@ just as the audio session delivers speech that arrived while the bot was talking
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ivr.call.io import CallerInput, Digits, HungUp, ListenSpec, NoInput, Spoken, Utterance
+from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
+from ivr.call.io import (
+    CallerInput,
+    Digits,
+    HungUp,
+    ListenSpec,
+    NoInput,
+    Spoken,
+    Utterance,
+    WarmTransfer,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +61,8 @@ class TextCallIO:
     listens: list[ListenSpec] = field(default_factory=list)
     transferred_to: str | None = None
     hung_up: bool = False
+    policy: InterruptionPolicy = DEFAULT_POLICY
+    """What interrupts the prompts (the flow node's ``interruptions``)."""
 
     @classmethod
     def scripted(cls, turns: Iterable[CallerTurn]) -> TextCallIO:
@@ -59,9 +72,18 @@ class TextCallIO:
     def bot_lines(self) -> list[str]:
         return [text for who, text in self.transcript if who == "bot"]
 
+    def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
+        self.policy = policy or DEFAULT_POLICY
+
     def _cut_after(self, interruptible: bool) -> int | None:
         nxt = self.script[0] if self.script else None
         if interruptible and nxt is not None and nxt.barge_in_after_words is not None:
+            if not self.policy.is_real_turn(nxt.text):  # backchannel: swallowed, as on a call
+                self.script.popleft()
+                self.transcript.append(("caller", f"{nxt.text!r} over the bot (not a turn)"))
+                return None
+            # It cuts this prompt only; the words wait for the next listen.
+            self.script[0] = dataclasses.replace(nxt, barge_in_after_words=None)
             return nxt.barge_in_after_words
         return None
 
@@ -105,9 +127,10 @@ class TextCallIO:
             return Digits(turn.text)
         return NoInput()  # silence, or input of a kind this prompt does not listen for
 
-    async def transfer(self, number: str) -> None:
+    async def transfer(self, number: str, warm: WarmTransfer | None = None) -> None:
         self.transferred_to = number
-        self.transcript.append(("call", f"transfer to {number}"))
+        kind = "warm transfer" if warm is not None else "transfer"
+        self.transcript.append(("call", f"{kind} to {number}"))
 
     async def hangup(self) -> None:
         self.hung_up = True

@@ -169,6 +169,19 @@ class TwilioPlayout:
             return None
         return min(now, self.queued_until())
 
+    def played_audio(self, start: int, n: int) -> bytes:
+        """Mu-law of what played in samples ``[start, start + n)`` (silence where nothing did):
+        what a speakerphone or a hybrid would feed back into the caller's line."""
+        out = bytearray([ULAW_SILENCE]) * n
+        end = start + n
+        for seg in reversed(self.segments):  # sorted by start; the recent ones matter
+            if seg.end <= start:
+                break
+            lo, hi = max(seg.start, start), min(seg.end, end)
+            if lo < hi:
+                out[lo - start : hi - start] = seg.audio[lo - seg.start : hi - seg.start]
+        return bytes(out)
+
     def render(self, n_samples: int) -> bytes:
         """Played audio as mu-law from sample 0, silence where nothing played."""
         return render_track(self.segments, n_samples)

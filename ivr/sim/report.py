@@ -59,6 +59,8 @@ class CallReport:
     duration_s: float = 0.0
     rest_update_t: list[float] = field(default_factory=list)
     """When each REST update of this call reached the fake REST API."""
+    bot_audio_s: float = 0.0
+    """All the bot audio the caller heard (played, not cleared), in seconds."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ivr.errors import IvrError
 from ivr.sim.playout import FRAME_BYTES, SAMPLE_RATE, ULAW_SILENCE, ulaw_encode
@@ -79,9 +79,17 @@ class Silence(_Step):
 
 class BargeInSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    say: str = Field(min_length=1)
+    say: str | None = Field(None, min_length=1)
+    wav: Path | None = None
+    """Instead of ``say``: a recording (a cough, a door) played over the bot."""
     after: float = Field(0.8, ge=0, le=60)
     """Seconds into the bot's audio before the caller starts talking over it."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BargeInSpec:
+        if (self.say is None) == (self.wav is None):
+            raise ValueError("barge_in needs exactly one of 'say' or 'wav'")
+        return self
 
 
 class BargeIn(_Step):
@@ -149,13 +157,18 @@ def load_script(path: str | Path) -> Script:
         raise ScriptError(f"{path}: {e}") from e
     script = script_from_data(data, source=str(path))
     # WAV paths are relative to the script file, like includes in most tools.
-    steps = [
-        s.model_copy(update={"wav": path.parent / s.wav})
-        if isinstance(s, Wav) and not s.wav.is_absolute()
-        else s
-        for s in script.steps
-    ]
+    steps = [_relative_to(s, path.parent) for s in script.steps]
     return script.model_copy(update={"steps": steps})
+
+
+def _relative_to(step: Step, base: Path) -> Step:
+    if isinstance(step, Wav) and not step.wav.is_absolute():
+        return step.model_copy(update={"wav": base / step.wav})
+    wav = step.barge_in.wav if isinstance(step, BargeIn) else None
+    if isinstance(step, BargeIn) and wav is not None and not wav.is_absolute():
+        spec = step.barge_in.model_copy(update={"wav": base / wav})
+        return step.model_copy(update={"barge_in": spec})
+    return step
 
 
 # -- audio rendering ---------------------------------------------------------------------------
@@ -174,7 +187,8 @@ class Rendered:
         if isinstance(s, Say):
             return s.say
         if isinstance(s, BargeIn):
-            return s.barge_in.say
+            wav = s.barge_in.wav
+            return s.barge_in.say if wav is None else f"[wav {wav.name}]"
         if isinstance(s, Wav):
             return f"[wav {s.wav.name}]"
         if isinstance(s, Press):
@@ -234,6 +248,14 @@ async def _synth(synthesize: Synthesize, text: str) -> bytes:
     return audio
 
 
+async def _wav(path: Path) -> bytes:
+    pcm, rate = await asyncio.to_thread(read_wav_mono, path)
+    audio = to_line_audio(pcm, rate)
+    if not audio:
+        raise ScriptError(f"{path}: the WAV is silent")
+    return audio
+
+
 async def render_script(script: Script, synthesize: Synthesize | None = None) -> list[Rendered]:
     """Render every step's caller audio (TTS and WAV decoding run in worker threads)."""
     synth = synthesize or default_synthesize
@@ -242,14 +264,12 @@ async def render_script(script: Script, synthesize: Synthesize | None = None) ->
         try:
             if isinstance(step, Say):
                 out.append(Rendered(step, await _synth(synth, step.say)))
-            elif isinstance(step, BargeIn):
+            elif isinstance(step, BargeIn) and step.barge_in.say is not None:
                 out.append(Rendered(step, await _synth(synth, step.barge_in.say)))
+            elif isinstance(step, BargeIn) and step.barge_in.wav is not None:
+                out.append(Rendered(step, await _wav(step.barge_in.wav)))
             elif isinstance(step, Wav):
-                pcm, rate = await asyncio.to_thread(read_wav_mono, step.wav)
-                audio = to_line_audio(pcm, rate)
-                if not audio:
-                    raise ScriptError(f"{step.wav}: the WAV is silent")
-                out.append(Rendered(step, audio))
+                out.append(Rendered(step, await _wav(step.wav)))
             else:
                 out.append(Rendered(step))
         except ScriptError as e:

@@ -133,6 +133,13 @@ class FakeOpenAIServer:
         the port stay), so one server can serve many tests."""
         self.chat: ChatSource = echo_script
         self.transcripts: collections.deque[str] = collections.deque()
+        self.transcripts_per_utterance = True
+        """``transcripts`` script what each *utterance* says: a request whose audio goes on
+        from the previous request's (a speculative transcription at a pause, then the whole
+        turn once the caller went on) gets that request's transcript again instead of the
+        next one. False: one transcript per request."""
+        self._last_audio = b""
+        self._last_transcript = ""
         self.transcribe: Callable[[bytes, dict[str, str]], str] = self._next_transcript
         self.speak: Callable[[str], bytes] = default_speak
         self.speech_chunk_bytes = 4800
@@ -222,10 +229,16 @@ class FakeOpenAIServer:
     # ---- scripting helpers -----------------------------------------------------------
 
     def _next_transcript(self, wav: bytes, form: dict[str, str]) -> str:
-        try:
-            return self.transcripts.popleft()
-        except IndexError:
-            return ""
+        audio = _wav_samples(wav)
+        with self._lock:
+            previous, self._last_audio = self._last_audio, audio
+            if self.transcripts_per_utterance and _continues(audio, previous):
+                return self._last_transcript
+            try:
+                self._last_transcript = self.transcripts.popleft()
+            except IndexError:
+                self._last_transcript = ""
+            return self._last_transcript
 
     def _next_chat_script(self, request: JsonDict) -> ChatScript | str:
         """The script for this request, or an explanation why there is none."""
@@ -564,3 +577,18 @@ __all__ = [
     "split_tokens",
     "sse_body",
 ]
+
+
+def _wav_samples(wav: bytes) -> bytes:
+    """The PCM of a WAV upload (the whole upload when it is not one)."""
+    try:
+        return wav_to_pcm16(wav).pcm16
+    except Exception:
+        return wav
+
+
+def _continues(audio: bytes, previous: bytes) -> bool:
+    """``audio`` is the same utterance as ``previous``, further on: it starts with the first
+    half of it (the tail differs by the resampler's edge and the trailing silence)."""
+    half = len(previous) // 2 & ~1
+    return half >= 3200 and len(audio) >= len(previous) and audio[:half] == previous[:half]

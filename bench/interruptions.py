@@ -1,0 +1,305 @@
+"""Interruptions benchmark: false barge-ins (backchannels, noise bursts, echo) and real ones.
+
+Each trial is one call through the real audio path: a gateway under uvicorn (in this process)
+and the simulated caller (``ivr.sim``) over a real WebSocket, providers the local OpenAI-wire
+server. The bot says a ~7 s announcement (espeak, so its echo is speech), then hangs up.
+While it speaks, the caller produces one of:
+
+- ``backchannel``: "uh-huh", "okay", "yeah" or "mm-hmm" (STT transcribes the word);
+- ``noise``: a cough, a door slam or a burst of line static (STT hears nothing);
+- ``echo``: nothing of its own, but the line carries the bot back 20 dB down, 100 ms late
+  (STT, if asked, hears the bot's words);
+- ``real``: a full sentence ("Sorry, can I talk to someone about my bill?"), and
+  ``real+echo``: the same over the echo (double talk).
+
+Per kind it prints: **false %** (the announcement was abandoned: the caller did not hear all
+of it), **paused %** (a ``clear`` was sent, the announcement resumed), and for real ones
+**missed %** (no ``clear``) and the ``clear`` latency from the caller's speech onset (the first
+frame of the clip leaving the caller; +-10 ms) p50/p95.
+
+    .venv/bin/python bench/interruptions.py                      # 20 trials per kind, 4 lanes
+    .venv/bin/python bench/interruptions.py --trials 50 --lanes 5 --vad silero --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import tempfile
+import time
+import wave
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soxr
+import structlog
+
+from ivr.config import Settings
+from ivr.engines.espeak_tts import synthesize_pcm16
+from ivr.gateway import build_gateway
+from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.server import RunningServer, running_server
+from ivr.sim.caller import LineEcho, place_call
+from ivr.sim.noises import NOISE_KINDS, noise_burst
+from ivr.sim.report import CallReport
+from ivr.sim.script import script_from_data
+from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.openai_server import FakeOpenAIServer
+from ivr.tts.openai_http import OpenAIHttpTts
+
+AUTH_TOKEN = "bench-auth-token"
+PUBLIC_URL = "https://gw.example.com"
+KINDS = ("backchannel", "noise", "echo", "real", "real+echo")
+ANNOUNCEMENT = (
+    "Thank you for calling Acme support. Our opening hours are nine to five on weekdays. "
+    "On Saturdays we open at ten and close at two. We are closed on Sundays and holidays. "
+    "You can also reach us online at any time of day."
+)
+BACKCHANNELS = {"uh-huh": "Uh-huh.", "okay": "Okay.", "yeah": "Yeah.", "mm-hmm": "Mm-hmm."}
+REAL = [
+    "Sorry, can I talk to someone about my bill?",
+    "Wait, I need to change my address.",
+    "Hold on, that is not what I asked.",
+    "Stop, I want to cancel my order.",
+    "Excuse me, what time do you close today?",
+    "I would like to speak to an agent please.",
+]
+FLOW = f"""
+name: bench
+start: announce
+nodes:
+  announce:
+    kind: say
+    text: "{ANNOUNCEMENT}"
+    next: bye
+  bye: {{kind: hangup}}
+"""
+
+
+@dataclass(slots=True)
+class Trial:
+    kind: str
+    detail: str
+    after: float
+    heard_s: float = 0.0
+    clears: int = 0
+    clear_latency_s: float | None = None
+    error: str = ""
+
+
+def speak_24k(text: str) -> bytes:
+    """The fake TTS: espeak, resampled to the 24 kHz the OpenAI-wire client expects."""
+    pcm, rate = synthesize_pcm16(text)
+    x = np.frombuffer(pcm, dtype="<i2")
+    return bytes(soxr.resample(x, rate, 24000).astype("<i2").tobytes())
+
+
+def write_wav(path: Path, pcm16: bytes) -> None:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(pcm16)
+
+
+@asynccontextmanager
+async def lane_gateway(
+    vad: str, flows: Path
+) -> AsyncIterator[tuple[RunningServer, FakeOpenAIServer]]:
+    async with FakeOpenAIServer(api_key="sk-test") as fake:
+        fake.speak = speak_24k
+        settings = Settings(
+            public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
+            redis_url="", flows_dir=str(flows), vad=vad, max_loop_lag_ms=0,
+        )  # fmt: skip
+        base = fake.base_url
+        gateway = build_gateway(
+            settings,
+            stt=OpenAIHttpStt(base_url=base, api_key="sk-test"),
+            tts=OpenAIHttpTts(base_url=base, api_key="sk-test"),
+            llm=OpenAICompatLlm(base_url=base, api_key="sk-test", model="bench"),
+        )
+        async with running_server(gateway) as server:
+            yield server, fake
+
+
+def plan(trials: int, seed: int, workdir: Path) -> list[tuple[Trial, dict[str, Any], str]]:
+    """(trial, caller script step or None, what STT returns) for every trial."""
+    rng = random.Random(seed)
+    out: list[tuple[Trial, dict[str, Any], str]] = []
+    for i in range(trials):
+        after = round(rng.uniform(0.6, 4.5), 2)
+        word = list(BACKCHANNELS)[i % len(BACKCHANNELS)]
+        step = {"barge_in": {"say": word, "after": after}}
+        out.append((Trial("backchannel", word, after), step, BACKCHANNELS[word]))
+        kind = NOISE_KINDS[i % len(NOISE_KINDS)]
+        wav = workdir / f"{kind}-{i}.wav"
+        write_wav(wav, noise_burst(kind, seed=seed * 1000 + i))
+        step = {"barge_in": {"wav": str(wav), "after": after}}
+        out.append((Trial("noise", kind, after), step, ""))
+        out.append((Trial("echo", "-20 dB 100 ms", 0.0), {"silence": 20.0}, ANNOUNCEMENT[:60]))
+        sentence = REAL[i % len(REAL)]
+        step = {"barge_in": {"say": sentence, "after": after}}
+        out.append((Trial("real", sentence, after), step, sentence))
+        out.append((Trial("real+echo", sentence, after), step, sentence))
+    return out
+
+
+async def run_trial(
+    server: RunningServer, fake: FakeOpenAIServer, trial: Trial, step: dict[str, Any], text: str
+) -> None:
+    fake.transcribe = lambda wav, form: text
+    steps = [step, {"silence": 20.0}, {"hangup": None}]
+    script = script_from_data({"steps": steps, "wait_for_greeting": False})
+    echo = LineEcho(0.1, -20.0) if trial.kind.endswith("echo") else None
+    report: CallReport = await place_call(
+        server.base_url,
+        script=script,
+        auth_token=AUTH_TOKEN,
+        public_base_url=PUBLIC_URL,
+        echo=echo,
+    )
+    if report.errors or report.violations:
+        trial.error = "; ".join(report.errors + [v.reason for v in report.violations])
+    trial.heard_s = report.bot_audio_s
+    trial.clears = len(report.clears)
+    # The caller starts talking `after` seconds into the bot's audio (the clip's first frame
+    # leaves within 20 ms; its first 10 ms are quiet): onset is known to about +-10 ms.
+    first = report.turns[0].bot_first_audio_t if report.turns else None
+    onset = None if first is None else first + trial.after
+    if onset is not None and trial.kind.startswith("real"):
+        later = [c - onset for c in report.clears if c >= onset]
+        trial.clear_latency_s = min(later) if later else None
+
+
+async def run(args: argparse.Namespace) -> list[Trial]:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        flows = workdir / "flows"
+        flows.mkdir()
+        (flows / "bench.yaml").write_text(FLOW)
+        (flows / "routes.yaml").write_text("default: bench\n")
+        todo = plan(args.trials, args.seed, workdir)
+        queue: asyncio.Queue[tuple[Trial, dict[str, Any], str]] = asyncio.Queue()
+        for item in todo:
+            queue.put_nowait(item)
+
+        async def lane() -> None:
+            async with lane_gateway(args.vad, flows) as (server, fake):
+                while not queue.empty():
+                    trial, step, text = queue.get_nowait()
+                    try:
+                        await run_trial(server, fake, trial, step, text)
+                    except Exception as exc:  # a broken trial is reported, not fatal
+                        trial.error = repr(exc)
+
+        await asyncio.gather(*(lane() for _ in range(args.lanes)))
+        return [t for t, _, _ in todo]
+
+
+def summarise(trials: list[Trial], full_s: float) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        mine = [t for t in trials if t.kind == kind and not t.error]
+        if not mine:
+            continue
+        n = len(mine)
+        # Abandoned: the caller heard clearly less than the whole announcement.
+        abandoned = sum(t.heard_s < full_s - 0.3 for t in mine)
+        paused = sum(t.clears > 0 and t.heard_s >= full_s - 0.3 for t in mine)
+        row: dict[str, Any] = {
+            "n": n,
+            "errors": sum(t.kind == kind and bool(t.error) for t in trials),
+        }
+        if kind.startswith("real"):
+            lat = sorted(t.clear_latency_s for t in mine if t.clear_latency_s is not None)
+            row["missed_pct"] = 100 * (n - len(lat)) / n
+            row["clear_p50_ms"] = 1000 * statistics.median(lat) if lat else None
+            row["clear_p95_ms"] = (
+                1000 * lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None
+            )
+            row["clear_max_ms"] = 1000 * lat[-1] if lat else None
+        else:
+            row["false_pct"] = 100 * abandoned / n
+            row["paused_pct"] = 100 * paused / n
+        out[kind] = row
+    return out
+
+
+def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> None:
+    print(f"\n{label}  (announcement {full_s:.2f} s)")
+    print(f"{'kind':<12} {'n':>4} {'false %':>8} {'paused %':>9} {'missed %':>9} "
+          f"{'clear p50':>10} {'clear p95':>10} {'max':>6} {'err':>4}")  # fmt: skip
+
+    def cell(v: Any, w: int, unit: str = "") -> str:
+        return f"{'-':>{w}}" if v is None else f"{v:>{w - len(unit)}.0f}{unit}"
+
+    for kind, r in rows.items():
+        print(
+            f"{kind:<12} {r['n']:>4} {cell(r.get('false_pct'), 8)} {cell(r.get('paused_pct'), 9)} "
+            f"{cell(r.get('missed_pct'), 9)} {cell(r.get('clear_p50_ms'), 10, 'ms')} "
+            f"{cell(r.get('clear_p95_ms'), 10, 'ms')} {cell(r.get('clear_max_ms'), 6)} "
+            f"{r['errors']:>4}"
+        )
+
+
+async def announcement_seconds(vad: str) -> float:
+    """The whole announcement as the caller hears it with nobody talking over it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flows = Path(tmp)
+        (flows / "bench.yaml").write_text(FLOW)
+        (flows / "routes.yaml").write_text("default: bench\n")
+        async with lane_gateway(vad, flows) as (server, _):
+            report = await place_call(
+                server.base_url,
+                script=script_from_data({"steps": [{"silence": 20.0}], "wait_for_greeting": False}),
+                auth_token=AUTH_TOKEN,
+                public_base_url=PUBLIC_URL,
+            )
+    return report.bot_audio_s
+
+
+async def main() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=20, help="per kind")
+    parser.add_argument("--lanes", type=int, default=3, help="calls at once (one gateway each)")
+    parser.add_argument("--vad", default="silero", choices=["silero", "webrtc"])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--label", default="this build")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print every trial")
+    args = parser.parse_args()
+    load0 = os.getloadavg()[0]
+    t0 = time.monotonic()
+    full_s = await announcement_seconds(args.vad)
+    trials = await run(args)
+    rows = summarise(trials, full_s)
+    print_table(f"{args.label}: vad={args.vad}, {args.trials} trials per kind", rows, full_s)
+    errors = [t for t in trials if t.error]
+    for t in errors[:5]:
+        print(f"  error in {t.kind} ({t.detail}): {t.error[:200]}")
+    took = time.monotonic() - t0
+    print(f"took {took:.0f} s; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    if args.verbose:
+        for t in trials:
+            print(f"  {t}")
+    if args.json:
+        print(
+            json.dumps(
+                {"rows": rows, "announcement_s": full_s, "trials": [asdict(t) for t in trials]}
+            )
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,152 @@
+"""Silero windows of many calls judged in one onnxruntime run, off the event loop.
+
+One run of the shared session costs ~90 us for a single 32 ms window but ~35 us a window for
+16 of them (the per-run overhead dominates a model this small), and a process carrying many
+calls has many detectors awake at once. So each window waits briefly for others: a batch
+goes as soon as it holds a window from every detector heard from lately (so one call alone
+never waits) or after ``max_wait_s``. Runs happen one at a time in a thread of their own
+(onnxruntime drops the GIL), while the loop keeps serving calls and gathers the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Floats = npt.NDArray[np.float32]
+
+
+class BatchModel(Protocol):
+    """What a batch runs: ``ivr.audio.vad.SileroModel``."""
+
+    def predict_batch(self, audio: Floats, states: Floats) -> tuple[Floats, Floats]:
+        """(B, n) windows and (2, B, 128) states -> (B, 1) probabilities, next states."""
+        ...
+
+
+RECENT_S = 0.045
+"""A detector that sent a window this recently is expected to send the next (one per 32 ms)."""
+
+
+@dataclass(slots=True)
+class _Window:
+    audio: Floats  # (1, context + window)
+    state: Floats  # (2, 1, 128)
+    result: asyncio.Future[tuple[float, Floats]]
+
+
+class SileroBatcher:
+    """Batches one event loop's Silero windows (see the module docstring); ``predict`` is
+    the only entry point. Made by ``SileroModel.batcher()``, one per loop."""
+
+    def __init__(
+        self,
+        model: BatchModel,
+        executor: ThreadPoolExecutor,
+        *,
+        max_wait_s: float = 0.006,
+        max_batch: int = 64,
+    ) -> None:
+        self._model = model
+        self._executor = executor
+        self._max_wait = max_wait_s
+        self._max_batch = max_batch
+        self._pending: list[_Window] = []
+        self._recent: dict[int, float] = {}  # detector id -> when it last sent a window
+        self._timer: asyncio.TimerHandle | None = None
+        self._running = False
+        self._due = False  # the wait ran out while a batch was running: send at once after
+        self.runs = 0
+        self.windows = 0
+
+    async def predict(self, detector: object, audio: Floats, state: Floats) -> tuple[float, Floats]:
+        """Speech probability of ``audio`` (a window with its context, shape (1, n); not
+        touched again by the caller) and the detector's next recurrent state."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        self._recent[id(detector)] = now
+        window = _Window(audio, state, loop.create_future())
+        self._pending.append(window)
+        if len(self._pending) >= self._expected(now):
+            self._due = True
+            self._send()
+        elif self._timer is None:
+            self._timer = loop.call_later(self._max_wait, self._wait_over)
+        return await window.result
+
+    def _expected(self, now: float) -> int:
+        recent = self._recent
+        if len(recent) > 4 * self._max_batch:  # detectors that went quiet: forget them
+            for key in [k for k, t in recent.items() if now - t > RECENT_S]:
+                del recent[key]
+        return min(self._max_batch, sum(1 for t in recent.values() if now - t <= RECENT_S))
+
+    def _wait_over(self) -> None:
+        self._timer = None
+        self._due = True
+        self._send()
+
+    def _send(self) -> None:
+        if self._running or not self._due:
+            return
+        batch = [w for w in self._pending[: self._max_batch] if not w.result.cancelled()]
+        del self._pending[: self._max_batch]
+        if self._timer is not None and not self._pending:
+            self._timer.cancel()
+            self._timer = None
+        self._due = bool(self._pending) and len(self._pending) >= self._max_batch
+        if not batch:
+            return
+        self._running = True
+        self.runs += 1
+        self.windows += len(batch)
+        loop = asyncio.get_running_loop()
+        run = loop.run_in_executor(
+            self._executor, self._model.predict_batch,
+            np.concatenate([w.audio for w in batch]),
+            np.concatenate([w.state for w in batch], axis=1),
+        )  # fmt: skip
+        run.add_done_callback(lambda done: self._deliver(batch, done))
+
+    def _deliver(self, batch: list[_Window], done: asyncio.Future[tuple[Floats, Floats]]) -> None:
+        self._running = False
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is None:
+            probs, states = done.result()
+            for i, window in enumerate(batch):
+                if not window.result.done():  # its call may have ended meanwhile
+                    window.result.set_result((float(probs[i, 0]), states[:, i : i + 1, :]))
+        else:
+            for window in batch:
+                if not window.result.done():
+                    window.result.set_exception(error)
+        if self._pending and (self._due or self._timer is None):
+            self._due = True
+            self._send()
+
+
+_EXECUTORS: weakref.WeakKeyDictionary[BatchModel, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+
+
+def batcher_for(model: BatchModel, loop: asyncio.AbstractEventLoop) -> SileroBatcher:
+    """``model``'s batcher on ``loop`` (futures belong to one loop; tests run many)."""
+    batchers = _BATCHERS.setdefault(loop, {})
+    batcher = batchers.get(id(model))
+    if batcher is None:
+        executor = _EXECUTORS.get(model)
+        if executor is None:
+            executor = _EXECUTORS[model] = ThreadPoolExecutor(1, thread_name_prefix="silero")
+        batcher = batchers[id(model)] = SileroBatcher(model, executor)
+    return batcher
+
+
+_BATCHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, SileroBatcher]] = (
+    weakref.WeakKeyDictionary()
+)

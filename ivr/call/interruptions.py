@@ -1,0 +1,272 @@
+"""When the caller makes a sound over the bot, is it an interruption?
+
+Three questions, in the order the audio answers them:
+
+1. **Echo?** (``ivr.audio.echo``): the bot's own voice coming back down the line correlates
+   with what the bot played; then nothing happens.
+2. **Noise?** (``ivr.audio.voicing``): a cough, a door or static has no pitch. Unvoiced sound
+   is held back for ``noise_hold_ms`` from its onset; if no voice appears by then and it is
+   still going on, the bot pauses anyway (a long burst might be an unvoiced start, "st..."),
+   and if none ever does it resumes when the sound ends, without asking STT (which would
+   make words of a cough).
+3. **Words?** Anything else pauses the bot at once (``clear``, the heard position kept), within
+   the onset-to-``clear`` budget. When the utterance is transcribed, a real turn (at least
+   ``min_words`` words, not all backchannel) makes the interruption stand; no words or only
+   backchannel ("uh-huh", "okay") and the bot resumes the sentence it was cut in.
+
+``InterruptionPolicy`` is per flow node (``interruptions:`` in YAML); ``BargeInJudge`` is per
+call and holds the caller-side audio the checks need.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from ivr.audio.codec import FRAME_BYTES_PCM16
+from ivr.audio.echo import RATE, EchoCheck, FarEndReference, check_echo, level_db
+from ivr.audio.voicing import voiced_frames
+
+log = structlog.get_logger("ivr.call")
+
+DEFAULT_BACKCHANNELS: tuple[str, ...] = (
+    "uh-huh", "uh huh", "mm-hmm", "mm-hm", "mhm", "mm", "hmm", "um", "uh", "ah", "oh",
+    "okay", "ok", "yeah", "yep", "yup", "right", "sure", "i see", "got it", "alright",
+    "all right", "cool", "great",
+)  # fmt: skip
+"""Said to show the caller is listening, not to take the floor (English)."""
+
+ECHO_DELAY_SLACK_S = 0.02
+"""Jitter allowed around a known echo delay before searching the whole range again."""
+QUIET_DB = -50.0
+"""Caller audio below this (dBFS) is nobody talking."""
+
+_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
+
+
+def words_of(text: str) -> list[str]:
+    """Lower-case words, punctuation dropped ("Mm-hmm." -> ["mm-hmm"])."""
+    return _WORD.findall(text.lower())
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptionPolicy:
+    """How readily a prompt gives way to the caller (per node; see flows/README.md)."""
+
+    min_speech_ms: int = 100
+    """Voiced caller audio before the bot pauses (the endpointer's own minimum applies too)."""
+    min_words: int = 1
+    """Words (not counting backchannel) for an interruption to stand once transcribed."""
+    backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
+    echo_threshold: float = 0.6
+    """Correlation with the bot's audio above which caller sound is taken for echo."""
+    noise_hold_ms: int = 200
+    """Unvoiced sound is not an interruption until it has lasted this long from its onset."""
+
+    def is_real_turn(self, text: str) -> bool:
+        """Enough words that are not backchannel to take the floor."""
+        words = words_of(text)
+        if not words:
+            return False
+        rest = " ".join(words)
+        for phrase in sorted(self.backchannels, key=len, reverse=True):  # "i see" before "i"
+            rest = re.sub(rf"(?<![\w'-]){re.escape(phrase.lower())}(?![\w'-])", " ", rest)
+        return len(rest.split()) >= self.min_words
+
+
+DEFAULT_POLICY = InterruptionPolicy()
+
+
+@runtime_checkable
+class SupportsInterruptionPolicy(Protocol):
+    """A ``CallIO`` whose prompts can be told how readily to give way (the audio session;
+    the text-mode runner has no audio to judge)."""
+
+    def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
+        """For the prompts that follow; None = the default."""
+        ...
+
+
+class Verdict(StrEnum):
+    WAIT = "wait"
+    """Not enough audio to tell yet."""
+    SPEECH = "speech"
+    ECHO = "echo"
+    NOISE = "noise"
+    QUIET = "quiet"
+    """Nothing audible in the last 100 ms (a gap in the echo, the tail of a sound)."""
+
+
+NOT_SPEECH = frozenset({Verdict.ECHO, Verdict.NOISE})
+
+
+class Outcome(StrEnum):
+    """What became of caller sound over the bot (the ``outcome`` label of ivr_barge_ins_total)."""
+
+    INTERRUPTED = "interrupted"
+    RESUMED = "resumed"
+    """Paused, then no words came: the bot went on from the sentence it was cut in."""
+    BACKCHANNEL = "backchannel"
+    ECHO = "echo"
+    NOISE = "noise"
+
+
+@dataclass(slots=True)
+class JudgedUtterance:
+    onset: float  # stream time
+    verdicts: list[Verdict] = field(default_factory=list)
+    """What the checks said (or SPEECH, taken without a check while the bot was silent)."""
+    over_bot: bool = False
+    """Judged while the bot was audible (or paused for it)."""
+    voiced: bool = False
+    """A voice was heard in it (or it was taken for speech unchecked): worth transcribing."""
+    checked_at_frame: int = -1
+
+    @property
+    def taken_for_speech(self) -> bool:
+        return Verdict.SPEECH in self.verdicts
+
+
+class BargeInJudge:
+    """Per call: the last ``history_s`` of caller audio and what the bot played, and the checks.
+
+    Feed every inbound frame with ``push``; ``judge`` while an utterance is in progress and
+    the bot is audible. Times: ``clock`` times are on the player's playout clock (the session's
+    clock), stream times are Twilio's.
+    """
+
+    ECHO_CHECK_EVERY_FRAMES = 2
+    NEAR_WINDOW_S = 0.24
+
+    def __init__(self, reference: FarEndReference, history_s: float = 0.5) -> None:
+        self.reference = reference
+        self._near: deque[bytes] = deque(maxlen=round(history_s * RATE * 2 / FRAME_BYTES_PCM16))
+        self._near_end = 0.0  # playout-clock time the newest pushed frame ended
+        self._frames = 0
+        self._utterance: JudgedUtterance | None = None
+        self._echo_delay: float | None = None
+        """The echo path's delay, once found: later checks search only around it."""
+
+    def push(self, pcm16_frame: bytes, ends_at: float) -> None:
+        self._near.append(pcm16_frame)
+        self._near_end = ends_at
+        self._frames += 1
+
+    def bot_audible(self, max_delay: float = 0.6) -> bool:
+        """Bot audio played recently enough that it could be coming back as echo now."""
+        return self.reference.audible(self._near_end - max_delay, self._near_end)
+
+    @property
+    def heard_not_speech(self) -> bool:
+        """The sound in progress was last judged the bot's echo or noise, not the caller."""
+        u = self._utterance
+        return u is not None and bool(u.verdicts) and u.verdicts[-1] in NOT_SPEECH
+
+    @property
+    def onset(self) -> float | None:
+        """Stream time the utterance being judged began (None between utterances)."""
+        return self._utterance.onset if self._utterance else None
+
+    def start(self, onset: float) -> None:
+        self._utterance = JudgedUtterance(onset)
+
+    def confirm(self) -> None:
+        """The utterance was taken for speech without a check (the bot was silent)."""
+        if self._utterance is not None:
+            self._utterance.verdicts.append(Verdict.SPEECH)
+            self._utterance.voiced = True
+
+    @property
+    def awaiting_voice(self) -> bool:
+        """The bot paused for a sound with no voice in it yet: keep listening for one."""
+        u = self._utterance
+        return u is not None and u.over_bot and u.taken_for_speech and not u.voiced
+
+    def watch_voice(self) -> None:
+        """After a pause for unvoiced sound: note when a voice comes in (every other frame)."""
+        u = self._utterance
+        if u is None or u.voiced or self._frames - u.checked_at_frame < 2:
+            return
+        u.checked_at_frame = self._frames
+        u.voiced = voiced_frames(self._recent()) > 0
+
+    def end(self) -> JudgedUtterance | None:
+        """The utterance is over: what it was judged (None if it never was)."""
+        utterance, self._utterance = self._utterance, None
+        return utterance
+
+    def judge(self, stream_now: float, voiced_ms: int, policy: InterruptionPolicy) -> Verdict:
+        """Is the sound in progress the caller taking the floor? ``voiced_ms``: the endpointer's
+        own (conservative, hangover-free) measure of it, for sound that has no voice."""
+        utterance = self._utterance
+        if utterance is None:
+            return Verdict.WAIT
+        utterance.over_bot = True
+        elapsed_ms = (stream_now - utterance.onset) * 1000
+        if elapsed_ms < policy.min_speech_ms:
+            return Verdict.WAIT
+        last = utterance.verdicts[-1] if utterance.verdicts else Verdict.WAIT
+        # Echo goes on as long as the bot talks: check it every other frame (~0.2 ms each).
+        every = self.ECHO_CHECK_EVERY_FRAMES if last is Verdict.ECHO else 1
+        if self._frames - utterance.checked_at_frame < every:
+            return last
+        utterance.checked_at_frame = self._frames
+        verdict = self._check(utterance, elapsed_ms, voiced_ms, policy)
+        utterance.verdicts.append(verdict)
+        return verdict
+
+    def _recent(self) -> npt.NDArray[np.float64]:
+        n = min(len(self._near), round(self.NEAR_WINDOW_S * RATE * 2 / FRAME_BYTES_PCM16))
+        frames = list(self._near)[-n:]
+        return np.frombuffer(b"".join(frames), dtype="<i2").astype(np.float64)
+
+    def _echo(self, near: npt.NDArray[np.float64], policy: InterruptionPolicy) -> EchoCheck:
+        hint = self._echo_delay
+        if hint is not None:
+            around = check_echo(
+                near, self._near_end, self.reference,
+                min_delay=max(0.0, hint - ECHO_DELAY_SLACK_S), max_delay=hint + ECHO_DELAY_SLACK_S,
+            )  # fmt: skip
+            if around.is_echo(policy.echo_threshold):
+                return around
+        echo = check_echo(near, self._near_end, self.reference)
+        if echo.is_echo(policy.echo_threshold):
+            self._echo_delay = echo.delay_s
+        return echo
+
+    def _check(
+        self,
+        utterance: JudgedUtterance,
+        elapsed_ms: float,
+        voiced_ms: int,
+        policy: InterruptionPolicy,
+    ) -> Verdict:
+        near = self._recent()
+        if level_db(near[-RATE // 10 :]) < QUIET_DB:
+            return Verdict.QUIET
+        if self.bot_audible():
+            echo = self._echo(near, policy)
+            log.debug(
+                "barge_in.echo_check",
+                correlation=round(echo.correlation, 3),
+                delay_ms=round(echo.delay_s * 1000),
+                near_db=round(echo.near_db, 1),
+                far_db=round(echo.far_db, 1),
+            )
+            if echo.is_echo(policy.echo_threshold):
+                return Verdict.ECHO
+        if voiced_frames(near) > 0:
+            utterance.voiced = True
+            return Verdict.SPEECH
+        # No voice (yet): a cough, a door, static, or the "s" of "stop". Long enough, and
+        # loud enough for the endpointer to count it, it pauses the bot all the same.
+        if elapsed_ms >= policy.noise_hold_ms and voiced_ms >= policy.min_speech_ms:
+            return Verdict.SPEECH
+        return Verdict.NOISE

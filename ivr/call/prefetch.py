@@ -1,0 +1,164 @@
+"""A provider stream started before anyone asked for it, kept until adopted or thrown away.
+
+Speculative turns start STT, the LLM and TTS of the first sentence while the caller's endpoint
+silence still runs. Each such stream is a ``Prefetch``: a task drains the real stream into a
+buffer; whoever later asks for the very same request adopts it and reads the buffer, then the
+rest as it arrives, as if it had sent the request itself. Throwing it away cancels the task,
+which closes the provider's HTTP stream: nothing was played, nothing reaches the history.
+
+A prefetch that failed before yielding anything is never adopted: the live request is sent
+instead, so a failed speculation is invisible to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+import structlog
+
+from ivr.errors import ProviderError, ProviderErrorKind
+from ivr.obs import metrics
+
+log = structlog.get_logger("ivr.call")
+
+T = TypeVar("T")
+
+MAX_BUFFERED = 4096
+"""Items held before the producer waits for its adopter (an LLM reply is a few hundred
+deltas; TTS of one sentence a few dozen chunks)."""
+
+
+class PrefetchOutcome(StrEnum):
+    USED = "used"
+    """Adopted by the live turn: its provider time is saved."""
+    WASTED = "wasted"
+    """Thrown away (the caller went on talking, or the turn asked for something else)."""
+    FAILED = "failed"
+    """The provider failed before answering: the live turn sends its own request."""
+
+
+class Prefetch(Generic[T]):
+    """One speculative stream of ``T`` (LLM events, PCM chunks) for one ``stage``."""
+
+    def __init__(self, stage: str, open_stream: Callable[[], AsyncIterator[T]]) -> None:
+        self.stage = stage
+        self._items: list[T] = []
+        self._error: BaseException | None = None
+        self._done = False
+        self._changed = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._adopted = False
+        self._settled = False
+        self._task = asyncio.create_task(self._drain(open_stream), name=f"prefetch-{stage}")
+
+    @property
+    def failed_early(self) -> bool:
+        """It failed before yielding anything: not worth adopting."""
+        return self._done and self._error is not None and not self._items
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def items_so_far(self) -> list[T]:
+        """What has arrived yet (a snapshot, for peeking at the first sentence)."""
+        return list(self._items)
+
+    async def wait_changed(self) -> None:
+        """Until another item arrives or the stream ends."""
+        if self._done:
+            return
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _drain(self, open_stream: Callable[[], AsyncIterator[T]]) -> None:
+        stream = open_stream()
+        try:
+            async for item in stream:
+                self._items.append(item)
+                self._changed.set()
+                if len(self._items) >= MAX_BUFFERED and not self._adopted:
+                    self._room.clear()
+                    await self._room.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaced to the adopter at the same point as live
+            self._error = exc
+            if isinstance(exc, ProviderError):  # invisible to the caller, not to the SRE
+                metrics.count_provider_error(self.stage, exc.provider, exc)
+        finally:
+            self._done = True
+            self._changed.set()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def adopt(self, live: Callable[[], AsyncIterator[T]] | None = None) -> AsyncIterator[T]:
+        """The stream, from its first item; only once. Closing the iterator early cancels
+        the provider request, as closing a live stream would.
+
+        ``live`` opens the request anew: if the prefetch fails after adoption but before its
+        first item (its attempts were still running when the turn ended), the adopter gets
+        what a turn without speculation would have got, not the speculation's failure. Not
+        after a timeout: the prefetch has already used the wait the caller can afford."""
+        if self._adopted:
+            raise RuntimeError("a prefetch is adopted once")
+        self._adopted = True
+        self._room.set()
+        self._settle(PrefetchOutcome.USED)
+        return self._replay(live)
+
+    async def _replay(self, live: Callable[[], AsyncIterator[T]] | None) -> AsyncIterator[T]:
+        sent = 0
+        try:
+            while True:
+                while sent < len(self._items):
+                    sent += 1
+                    yield self._items[sent - 1]
+                if self._done:
+                    error = self._error
+                    if error is None:
+                        return
+                    if sent or live is None or _timed_out(error):
+                        raise error
+                    log.info("prefetch.reopened", stage=self.stage, error=repr(error))
+                    async for item in live():
+                        yield item
+                    return
+                self._changed.clear()
+                if sent < len(self._items) or self._done:
+                    continue
+                await self._changed.wait()
+        finally:
+            if not self._done:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+
+    def discard(self) -> None:
+        """Throw it away: cancel the request if it is still running."""
+        if self._adopted:
+            return
+        self._settle(PrefetchOutcome.FAILED if self.failed_early else PrefetchOutcome.WASTED)
+        self._task.cancel()
+
+    def _settle(self, outcome: PrefetchOutcome) -> None:
+        if not self._settled:
+            self._settled = True
+            metrics.SPECULATION.labels(self.stage, outcome.value).inc()
+
+    async def aclose(self) -> None:
+        """Discard and wait for the request to be gone (teardown)."""
+        self.discard()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, ProviderError) and error.kind == ProviderErrorKind.TIMEOUT

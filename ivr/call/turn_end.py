@@ -1,0 +1,368 @@
+"""Knowing when the caller's turn is over: how much silence to wait for, from more than silence.
+
+Three signals, combined by ``silence_needed_ms``:
+
+* the node's ``TurnPolicy``: what answer it waits for (``expect``) and the shortest and longest
+  silence that may end the turn;
+* the transcript so far (``text_completeness``): "my number is", "and", "uh" or four digits of
+  an eight-digit account number say the caller is not done; "yes" to a yes/no question says
+  they are;
+* an audio end-of-turn model (``EndOfTurnDetector.audio_probability``, Smart Turn v3): the
+  probability that the turn is complete, from its intonation and words.
+
+A clearly complete turn ends after ``min_silence_ms``, a clearly unfinished one after
+``max_silence_ms``, and with no signal at all (no transcript yet, model unavailable)
+``fallback_silence_ms``: silence-based endpointing, as before the model. By default the model
+only lengthens the wait (p < 0.5: ``max_silence_ms``); it shortens it only when the policy sets
+``complete_above``, because on phone audio it calls many mid-sentence pauses complete.
+
+The model is a help, not an oracle: it never blocks the event loop, a late or failed answer
+counts as no answer (``ivr_turn_model_total{outcome}``, one warning), and after repeated
+failures the detector stops asking for a while, so an overloaded or broken model costs nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol
+
+import structlog
+
+from ivr.errors import ProviderError, ProviderErrorKind
+from ivr.obs import metrics
+
+log = structlog.get_logger("ivr.turn_end")
+
+Expect = Literal["any", "digits", "yes_no"]
+"""What a listening node waits for: free speech, a number read out digit by digit, yes or no."""
+Completeness = Literal["complete", "incomplete", "unknown"]
+Outcome = Literal["complete", "incomplete", "unavailable", "timeout", "error"]
+
+PHONE_RATE: Final = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPolicy:
+    """How long a node lets the caller pause before their turn counts as over (milliseconds
+    of silence after the last speech)."""
+
+    min_silence_ms: int = 250
+    """The turn is clearly complete (the model is sure, or "yes" to a yes/no question)."""
+    max_silence_ms: int = 1500
+    """The turn is clearly unfinished ("my number is", "and", digits still missing)."""
+    expect: Expect = "any"
+    digits: int | None = None
+    """With ``expect="digits"``: how many digits the answer has, if fixed."""
+    fallback_silence_ms: int = 300
+    """Nothing to go on (no transcript yet, no model answer): plain silence endpointing."""
+    complete_above: float | None = None
+    """A model probability at or above this ends the turn after ``min_silence_ms``. None: the
+    model never shortens the wait, it only lengthens it (bench/turn_model.py: on phone audio
+    it calls 40-50 % of mid-sentence pauses complete, often with p > 0.9)."""
+    incomplete_below: float = 0.5
+    """A model probability below this waits ``max_silence_ms``; otherwise the fallback."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_silence_ms <= self.fallback_silence_ms <= self.max_silence_ms:
+            raise ValueError(
+                "need 0 < min_silence_ms <= fallback_silence_ms <= max_silence_ms, got "
+                f"{self.min_silence_ms}, {self.fallback_silence_ms}, {self.max_silence_ms}"
+            )
+        above = 1.0 if self.complete_above is None else self.complete_above
+        if not 0.0 <= self.incomplete_below <= above <= 1.0:
+            raise ValueError(
+                "need 0 <= incomplete_below <= complete_above <= 1, got "
+                f"{self.incomplete_below}, {self.complete_above}"
+            )
+        if self.digits is not None and (self.expect != "digits" or self.digits < 1):
+            raise ValueError("digits: a positive count, only with expect='digits'")
+
+
+# What each kind of answer gets when the flow sets no numbers: digits are read out in groups
+# with pauses between them; a yes/no answer is over as soon as it is said.
+DEFAULT_POLICIES: Final[dict[Expect, TurnPolicy]] = {
+    "any": TurnPolicy(),
+    "digits": TurnPolicy(
+        min_silence_ms=500, max_silence_ms=2500, fallback_silence_ms=1500, expect="digits"
+    ),
+    "yes_no": TurnPolicy(
+        min_silence_ms=200, max_silence_ms=1000, fallback_silence_ms=500, expect="yes_no"
+    ),
+}
+
+
+def policy_for(
+    expect: Expect = "any",
+    *,
+    digits: int | None = None,
+    min_silence_ms: int | None = None,
+    max_silence_ms: int | None = None,
+    fallback_silence_ms: int | None = None,
+) -> TurnPolicy:
+    """The default policy for ``expect`` with the given values replacing its defaults.
+
+    A value that is given pulls the defaults with it where they would no longer be in order
+    (e.g. ``max_silence_ms=700`` also lowers the fallback to 700). Raises ``ValueError`` when
+    the given values themselves are out of order."""
+    base = DEFAULT_POLICIES[expect]
+    given = [v for v in (min_silence_ms, fallback_silence_ms, max_silence_ms) if v is not None]
+    high = max_silence_ms if max_silence_ms is not None else max([base.max_silence_ms, *given])
+    low = min_silence_ms if min_silence_ms is not None else min([base.min_silence_ms, *given])
+    middle = fallback_silence_ms
+    if middle is None:
+        middle = min(max(base.fallback_silence_ms, low), high)
+    return TurnPolicy(
+        min_silence_ms=low,
+        max_silence_ms=high,
+        expect=expect,
+        digits=digits,
+        fallback_silence_ms=middle,
+        complete_above=base.complete_above,
+        incomplete_below=base.incomplete_below,
+    )
+
+
+# ---------------------------------------------------------------- the transcript
+
+_WORD = re.compile(r"[a-z0-9']+")
+
+
+def _words(*lines: str) -> frozenset[str]:
+    return frozenset(" ".join(lines).split())
+
+
+_DIGIT_WORDS: Final = _words("zero oh one two three four five six seven eight nine")
+_DANGLING: Final = _words(
+    # conjunctions and clause openers
+    "and but or so because cause if then which when while although though unless than "
+    "whether "
+    # articles, determiners, possessives (not "that", "this", "some": they end sentences too)
+    "the a an my your our their his its every "
+    # prepositions that rarely end a sentence (not "in", "on", "about": "log in", "turn on")
+    "to for of at with from into onto between as per via like "
+    # auxiliaries and copulas: "my number is", "it's", "I was"; subject pronouns
+    "is are was were am be been being have has had do does did will would can could should "
+    "shall may might must it's that's i'm i'd i'll i've you're we're they're there's "
+    "i we they he she "
+    # hesitations
+    "uh um er erm uhm ah hmm mm",
+)
+# Endings that look dangling but close a sentence: "I think so", "what is it for".
+_CLOSING_PAIRS: Final = frozenset(
+    {("think", "so"), ("hope", "so"), ("guess", "so"), ("believe", "so"), ("said", "so"),
+     ("it", "for"), ("that", "for"), ("what", "is"), ("it", "is"), ("that", "is"),
+     ("there", "is"), ("who", "is"), ("i", "am"),
+     ("i", "do"), ("i", "did"), ("i", "have"), ("i", "can"), ("i", "will"), ("i", "was"),
+     ("one", "is")}
+)  # fmt: skip
+_YES_NO: Final = _words(
+    "yes yeah yep yup yea no nope nah correct right sure okay ok absolutely definitely "
+    "negative affirmative"
+)
+_CLOSERS: Final = (
+    "thank you", "thanks", "bye", "goodbye", "that's all", "that is all",
+    "that's everything", "never mind",
+)  # fmt: skip
+
+
+def _digit_count(words: list[str]) -> int:
+    """Digits said so far: numerals ("4567", "4,5,6") count each digit, words count one."""
+    count = 0
+    for word in words:
+        if word.isdigit():
+            count += len(word)
+        elif word in _DIGIT_WORDS:
+            count += 1
+    return count
+
+
+def text_completeness(
+    transcript: str | None, expect: Expect = "any", digits: int | None = None
+) -> Completeness:
+    """Whether the words so far finish an answer of the kind ``expect``.
+
+    "incomplete": the last word leaves a clause open ("and", "the", "my number is", "uh"), the
+    transcript trails off ("..."), or fewer than ``digits`` digits have been said. "complete":
+    all ``digits`` digits are in, a yes/no answer to a yes/no question, or a closing phrase
+    ("thank you", "that's all"). Otherwise "unknown": the audio model and silence decide.
+    """
+    if transcript is None or not transcript.strip():
+        return "unknown"
+    text = transcript.strip().lower().replace("’", "'")
+    words = _WORD.findall(text)
+    if not words:
+        return "unknown"
+    if text.endswith(("...", "…", "-", "—")):
+        return "incomplete"
+    last = words[-1]
+    closing = len(words) >= 2 and (words[-2], last) in _CLOSING_PAIRS
+    if expect == "digits":
+        said = _digit_count(words)
+        if digits is not None and said >= digits:
+            return "complete"
+        if said and digits is not None:
+            return "incomplete"
+    if text.rstrip(".!?, ").endswith(_CLOSERS):
+        return "complete"
+    if last in _DANGLING and not closing:
+        return "incomplete"
+    if expect == "yes_no" and (words[0] in _YES_NO or last in _YES_NO):
+        return "complete"
+    return "unknown"
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def silence_needed_ms(
+    policy: TurnPolicy, p_audio: float | None, text: Completeness = "unknown"
+) -> int:
+    """Milliseconds of silence after the last speech that end the turn.
+
+    The transcript decides when it can: an open clause or missing digits wait the longest
+    (``max_silence_ms``), a finished yes/no or digit answer the shortest (``min_silence_ms``).
+    Otherwise the model: below ``incomplete_below`` the longest wait, at or above
+    ``complete_above`` (when set) the shortest, else ``fallback_silence_ms``, which is also
+    the answer with neither signal.
+    """
+    if text == "incomplete":
+        return policy.max_silence_ms
+    if text == "complete":
+        return policy.min_silence_ms
+    if p_audio is None:
+        return policy.fallback_silence_ms
+    if policy.complete_above is not None and p_audio >= policy.complete_above:
+        return policy.min_silence_ms
+    if p_audio < policy.incomplete_below:
+        return policy.max_silence_ms
+    return policy.fallback_silence_ms
+
+
+class AudioTurnEngine(Protocol):
+    """An audio end-of-turn model (``ivr.engines.smart_turn.SmartTurnModel``)."""
+
+    name: str
+
+    async def load(self) -> None:
+        """Load the model; raises ``ProviderError`` when it cannot."""
+        ...
+
+    async def probability(self, pcm16: bytes, sample_rate: int) -> float:
+        """P(turn complete) for the turn ending ``pcm16``; raises ``ProviderError``
+        (``ProviderTimeout`` when late)."""
+        ...
+
+
+class TurnModel(Protocol):
+    """What a call asks at a pause. None: no answer (no model, late, failed): fall back."""
+
+    async def audio_probability(self, pcm16_8k: bytes) -> float | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDecision:
+    """Why a turn waits as long as it does (for logs and tests)."""
+
+    silence_ms: int
+    text: Completeness
+    p_audio: float | None
+    """None when the model was not asked (the transcript decided) or gave no answer."""
+
+
+class EndOfTurnDetector:
+    """The process's end-of-turn judge: the audio model (if any) plus the transcript rules.
+
+    One per process, shared by every call. Built with ``engine=None`` (or after ``start()``
+    failed to load it), it answers from the transcript and silence alone. After
+    ``max_failures`` timeouts or errors in a row it stops asking the model for
+    ``cooldown_s`` seconds, then tries again.
+    """
+
+    def __init__(
+        self,
+        engine: AudioTurnEngine | None,
+        *,
+        max_failures: int = 5,
+        cooldown_s: float = 30.0,
+    ) -> None:
+        self._engine = engine
+        self._max_failures = max_failures
+        self._cooldown_s = cooldown_s
+        self._failures = 0
+        self._paused_until = 0.0
+        self._warned: set[str] = set()
+
+    @property
+    def available(self) -> bool:
+        """True while the model is loaded and not paused after failures."""
+        return self._engine is not None and time.monotonic() >= self._paused_until
+
+    async def start(self) -> None:
+        """Load the model; if it cannot be loaded, log a warning and carry on without it."""
+        if self._engine is None:
+            return
+        try:
+            await self._engine.load()
+        except ProviderError as exc:
+            self._warn("unavailable", str(exc))
+            self._engine = None
+
+    async def aclose(self) -> None:
+        """Release the model (its worker threads)."""
+        engine, self._engine = self._engine, None
+        aclose = getattr(engine, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def audio_probability(self, pcm16_8k: bytes) -> float | None:
+        """P(turn complete) for the turn so far (8 kHz PCM16, up to now, silence included);
+        None when there is no answer in time. Never raises (but cancellation)."""
+        if not self.available:
+            self._count("unavailable")
+            return None
+        assert self._engine is not None
+        try:
+            p = await self._engine.probability(pcm16_8k, PHONE_RATE)
+        except ProviderError as exc:
+            # Late, or refused because too many are pending (retryable): both are "timeout",
+            # the model was too slow for this pause. Anything else is an "error".
+            timeout = exc.kind is ProviderErrorKind.TIMEOUT or exc.retryable
+            self._failed("timeout" if timeout else "error", str(exc))
+            return None
+        except Exception as exc:  # an engine bug must not end the caller's call
+            self._failed("error", repr(exc))
+            return None
+        self._failures = 0
+        self._count("complete" if p >= 0.5 else "incomplete")
+        return p
+
+    async def decide(
+        self, policy: TurnPolicy, pcm16_8k: bytes, transcript: str | None = None
+    ) -> TurnDecision:
+        """How much silence ends this turn. The model is asked only when the transcript
+        leaves it open and the policy has a range to choose from (saves its CPU)."""
+        text = text_completeness(transcript, policy.expect, policy.digits)
+        p_audio = None
+        if text == "unknown" and policy.min_silence_ms < policy.max_silence_ms:
+            p_audio = await self.audio_probability(pcm16_8k)
+        return TurnDecision(silence_needed_ms(policy, p_audio, text), text, p_audio)
+
+    def _failed(self, outcome: Outcome, detail: str) -> None:
+        self._count(outcome)
+        self._warn(outcome, detail)
+        self._failures += 1
+        if self._failures >= self._max_failures:
+            self._failures = 0
+            self._paused_until = time.monotonic() + self._cooldown_s
+            log.warning("turn_model.paused", failures=self._max_failures, seconds=self._cooldown_s)
+
+    def _count(self, outcome: Outcome) -> None:
+        metrics.TURN_MODEL.labels(outcome).inc()
+
+    def _warn(self, outcome: str, detail: str) -> None:
+        # Once per kind of failure per process: the metric counts every one.
+        if outcome not in self._warned:
+            self._warned.add(outcome)
+            log.warning("turn_model.fallback", outcome=outcome, error=detail)

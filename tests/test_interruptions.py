@@ -1,0 +1,517 @@
+"""Interruptions that are real: backchannels, noise and the bot's own echo do not stop it; real
+speech still does, at once. The checks on real audio first (espeak speech through the mu-law
+channel, synthetic coughs, a delayed copy of the bot), then the player's pause and resume, then
+whole calls through a real gateway and the simulated caller over a real WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soxr
+from audio_fixtures import speech_pcm16, trimmed
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+
+from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
+from ivr.audio.echo import FarEndReference, check_echo
+from ivr.audio.voicing import voiced_frames
+from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
+from ivr.call.player import AudioPlayer, phrase_start
+from ivr.engines.espeak_tts import synthesize_pcm16
+from ivr.flows.loader import load_flow_text
+from ivr.flows.problems import FlowLoadError
+from ivr.flows.runner import FlowRunner
+from ivr.flowtools.textio import TextCallIO, said
+from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.sim.caller import LineEcho, place_call
+from ivr.sim.noises import NOISE_KINDS, noise_burst
+from ivr.sim.report import CallReport
+from ivr.sim.script import script_from_data
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
+
+
+def phone(pcm16: bytes) -> np.ndarray:
+    """PCM16 through the mu-law channel, as float samples."""
+    return np.frombuffer(ulaw_to_pcm16(pcm16_to_ulaw(pcm16)), dtype="<i2").astype(np.float64)
+
+
+# -- what a transcript means ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["Uh-huh.", "Okay.", "yeah", "Mm-hmm.", "Mhm", "okay, yeah", ""])
+def test_backchannels_and_silence_are_not_a_turn(text: str) -> None:
+    assert not DEFAULT_POLICY.is_real_turn(text)
+
+
+@pytest.mark.parametrize("text", ["Stop.", "Okay, stop.", "Yeah I want an agent", "no"])
+def test_words_beyond_backchannel_are_a_turn(text: str) -> None:
+    assert DEFAULT_POLICY.is_real_turn(text)
+
+
+def test_min_words_and_an_empty_backchannel_list_change_what_interrupts() -> None:
+    strict = InterruptionPolicy(min_words=3)
+    assert not strict.is_real_turn("stop please")
+    assert strict.is_real_turn("okay stop it now")  # "okay" does not count, three others do
+    every_word = InterruptionPolicy(backchannels=())
+    assert every_word.is_real_turn("okay")
+
+
+# -- echo and noise on real audio ----------------------------------------------------------
+
+BOT_LINE = "Thank you for calling Acme support. Our opening hours are nine to five on weekdays."
+
+
+def _reference(bot: np.ndarray, t0: float) -> FarEndReference:
+    ulaw = pcm16_to_ulaw(bot.astype("<i2").tobytes())
+    ref = FarEndReference(history_s=60)
+    for i in range(0, len(ulaw) - 800, 800):  # the player sends 100 ms chunks
+        ref.played(t0 + i / 8000, ulaw[i : i + 800])
+    return ref
+
+
+def _near(bot: np.ndarray, now: float, *, echo_gain: float, caller: np.ndarray | None) -> bytes:
+    """240 ms of what the caller sends at ``now``: the bot 100 ms late, plus their voice."""
+    n, end = 1920, round((now - 0.1) * 8000)
+    x = bot[end - n : end] * echo_gain
+    if caller is not None:
+        x = x + caller[:n]
+    return np.clip(x, -32768, 32767).astype("<i2").tobytes()
+
+
+def test_the_bot_coming_back_20_db_down_100_ms_late_is_echo() -> None:
+    bot = phone(speech_pcm16(BOT_LINE))
+    ref = _reference(bot, 100.0)
+    for now in (1.0, 1.7, 2.9, 4.1):
+        check = check_echo(phone(_near(bot, now, echo_gain=0.1, caller=None)), 100.0 + now, ref)
+        assert check.is_echo(DEFAULT_POLICY.echo_threshold), (now, check)
+        assert abs(check.delay_s - 0.1) < 0.01
+
+
+def test_a_caller_talking_is_not_echo_with_or_without_the_echo_under_them() -> None:
+    bot = phone(speech_pcm16(BOT_LINE))
+    caller = phone(trimmed(speech_pcm16("Sorry, can I talk to someone about my bill?")))
+    ref = _reference(bot, 100.0)
+    for gain in (0.0, 0.1):
+        for now in (1.0, 1.7, 2.9, 4.1):
+            near = phone(_near(bot, now, echo_gain=gain, caller=caller))
+            check = check_echo(near, 100.0 + now, ref)
+            assert not check.is_echo(DEFAULT_POLICY.echo_threshold), (gain, now, check)
+
+
+def test_coughs_and_static_have_no_voice_and_speech_does() -> None:
+    for kind in ("cough", "static"):
+        for seed in range(5):
+            assert voiced_frames(phone(noise_burst(kind, seed))) == 0, (kind, seed)
+    for text in ("uh-huh", "okay", "mm-hmm", "wait a moment"):
+        assert voiced_frames(phone(trimmed(speech_pcm16(text)))[:1600]) > 0, text
+
+
+def test_an_unknown_noise_kind_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown noise kind 'bell'"):
+        noise_burst("bell")  # type: ignore[arg-type]
+
+
+# -- the player: pause keeps, resume replays the cut sentence, interrupt drops --------------
+
+
+class Wire:
+    """The player's side of the socket; marks echo at once (the audio before them was sent)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+        self.player: AudioPlayer | None = None
+
+    async def media(self, ulaw: bytes) -> None:
+        self.sent.append(("media", ulaw))
+
+    async def mark(self, name: str) -> None:
+        self.sent.append(("mark", name))
+        if self.player is not None and not name.endswith("h"):
+            self.player.on_mark(name)
+
+    async def clear(self) -> None:
+        self.sent.append(("clear", None))
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.sent]
+
+    def audio_after_last_clear(self) -> bytes:
+        i = max(i for i, (k, _) in enumerate(self.sent) if k == "clear")
+        return b"".join(a for k, a in self.sent[i:] if k == "media" and isinstance(a, bytes))
+
+
+async def test_a_paused_sentence_plays_again_from_its_start_on_resume() -> None:
+    wire = Wire()
+    player = AudioPlayer(wire.media, wire.mark, wire.clear, lead_seconds=0.2, chunk_frames=5)
+    sender = asyncio.create_task(player.run_sender())
+    try:
+        first = player.open_segment("first sentence")
+        await player.write(first, b"")  # no echo for the marks of the first playing ...
+        await player.write(first, bytes(range(256)) * 25)  # 0.8 s, recognisable bytes
+        player.close_segment(first)
+        await asyncio.sleep(0.3)  # part of it went out and is "playing"
+        await player.pause()
+        assert wire.kinds()[-1] == "clear" and player.paused
+        await asyncio.sleep(0.3)
+        assert wire.kinds()[-1] == "clear", "nothing is sent while paused"
+        assert 0 < first.heard_fraction(time.monotonic()) < 1  # what was heard is kept
+        wire.player = player  # ... those of the replay echo
+        player.resume()
+        await asyncio.wait_for(first.played.wait(), 3)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+    assert wire.audio_after_last_clear() == bytes(range(256)) * 25, "not replayed whole"
+    marks = [n for k, n in wire.sent if k == "mark"]
+    assert marks[-1] == "g1:1", "the replay is a new generation: old marks prove nothing"
+
+
+async def test_an_interrupt_after_a_pause_drops_everything_without_a_second_clear() -> None:
+    wire = Wire()
+    player = AudioPlayer(wire.media, wire.mark, wire.clear, lead_seconds=0.2, chunk_frames=5)
+    sender = asyncio.create_task(player.run_sender())
+    try:
+        seg = player.open_segment("one two three four")
+        await player.write(seg, b"\x00" * 8000)
+        player.close_segment(seg)
+        await asyncio.sleep(0.25)
+        await player.pause()
+        heard = seg.heard_fraction(time.monotonic())
+        await player.interrupt()
+        await asyncio.sleep(0.2)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+    assert wire.kinds().count("clear") == 1
+    assert wire.kinds()[-1] == "clear"
+    assert seg.dropped and seg.heard_fraction(time.monotonic()) == pytest.approx(heard)
+
+
+# -- the flow option -------------------------------------------------------------------------
+
+
+def test_a_node_interruptions_block_overrides_the_flow_defaults() -> None:
+    flow = load_flow_text(FLOW_WITH_POLICY, "t.yaml")
+    assert flow.interruptions("welcome").min_words == 3
+    assert flow.interruptions("welcome").backchannels == ("okay",)
+    assert flow.interruptions("bye").min_speech_ms == 150  # the flow's defaults
+    assert flow.interruptions("bye").min_words == 1
+
+
+def test_a_bad_interruptions_block_is_refused_with_where_and_why() -> None:
+    bad = FLOW_WITH_POLICY.replace("min_words: 3", "min_words: -1")
+    with pytest.raises(FlowLoadError) as caught:
+        load_flow_text(bad, "t.yaml")
+    assert "t.yaml:11:18:" in str(caught.value) and "min_words" in str(caught.value)
+
+
+FLOW_WITH_POLICY = """
+name: t
+start: welcome
+defaults:
+  interruptions: {min_speech_ms: 150}
+nodes:
+  welcome:
+    kind: say
+    text: Hello.
+    interruptions:
+      min_words: 3
+      backchannels: [okay]
+    next: bye
+  bye: {kind: hangup, say: Bye.}
+"""
+
+
+# -- whole calls -----------------------------------------------------------------------------
+
+ANNOUNCEMENT = (
+    "Thank you for calling Acme support. Our opening hours are nine to five on weekdays. "
+    "On Saturdays we open at ten and close at two. We are closed on Sundays."
+)
+
+
+def announcement_flow(policy: str = "") -> str:
+    return f"""
+name: t
+start: announce
+nodes:
+  announce:
+    kind: say
+    text: "{ANNOUNCEMENT}"{policy}
+    next: bye
+  bye: {{kind: hangup}}
+"""
+
+
+def speak_24k(text: str) -> bytes:
+    """The fake TTS speaks (espeak): the bot's echo must be speech to a VAD."""
+    pcm, rate = synthesize_pcm16(text)
+    x = soxr.resample(np.frombuffer(pcm, dtype="<i2"), rate, 24000)
+    return bytes(x.astype("<i2").tobytes())
+
+
+async def announce_call(
+    gateway_factory: GatewayFactory,
+    fake: FakeOpenAIServer,
+    tmp_path: Path,
+    steps: list[object],
+    *,
+    transcript: str = "",
+    echo: LineEcho | None = None,
+    policy: str = "",
+) -> tuple[CallReport, dict[str, float]]:
+    """One call whose bot reads ANNOUNCEMENT (~10 s) then hangs up; the caller does ``steps``.
+    Returns the report and the barge-in counters this call added, by outcome."""
+    fake.speak = speak_24k
+    fake.transcribe = lambda wav, form: transcript
+    (tmp_path / "routes.yaml").write_text("default: t\n")
+    (tmp_path / "t.yaml").write_text(announcement_flow(policy))
+    script = script_from_data({"steps": [*steps, {"silence": 20}], "wait_for_greeting": False})
+    async with gateway_factory(flows_dir=str(tmp_path)) as server:
+        before = await barge_ins(server.base_url)
+        report = await place_call(
+            server.base_url,
+            script=script,
+            auth_token=AUTH_TOKEN,
+            public_base_url=PUBLIC_URL,
+            echo=echo,
+        )
+        after = await barge_ins(server.base_url)
+    assert not report.errors and not report.violations, report.format_transcript()
+    return report, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+async def barge_ins(base: str) -> dict[str, float]:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{base}/metrics")).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'ivr_barge_ins_total\{outcome="(\w+)",trigger="(\w+)"\} (\S+)', text):
+        out[f"{m[2]}/{m[1]}"] = out.get(f"{m[2]}/{m[1]}", 0) + float(m[3])
+    return out
+
+
+FULL_S = 9.0
+"""The announcement lasts ~10 s: heard in full means at least this much bot audio."""
+
+
+@pytest.mark.slow
+async def test_a_backchannel_pauses_the_bot_which_then_resumes_its_sentence(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        transcript="Uh-huh.",
+    )
+    assert len(report.clears) == 1, "a backchannel pauses the bot (one clear) ..."
+    assert report.bot_audio_s > FULL_S, "... and the announcement is heard to its end"
+    assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
+
+
+@pytest.mark.slow
+async def test_a_pause_for_a_sound_with_no_words_resumes(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "hmm well", "after": 1.5}}],
+        transcript="",  # STT heard no words
+    )
+    assert len(report.clears) == 1 and report.bot_audio_s > FULL_S
+    assert counted.get("speech/resumed") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", NOISE_KINDS)
+async def test_a_noise_burst_does_not_stop_the_bot(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, kind: str
+) -> None:
+    wav = tmp_path / f"{kind}.wav"
+    _write_wav(wav, noise_burst(kind, seed=3))  # type: ignore[arg-type]
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"wav": str(wav), "after": 1.5}}],
+    )
+    assert report.bot_audio_s > FULL_S and not counted.get("speech/interrupted")
+    # Ignored or paused and resumed at once (no voice: nothing for STT to make words of), or,
+    # for a thud with a pitch, paused until STT found no words in it.
+    if counted.get("speech/resumed"):
+        assert len(fake_openai.requests_for("transcriptions")) == 1
+    else:
+        assert counted.get("speech/noise", 0) >= 1
+        assert not fake_openai.requests_for("transcriptions")
+
+
+@pytest.mark.slow
+async def test_the_bots_own_echo_does_not_stop_it(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [],
+        transcript=ANNOUNCEMENT,  # what STT would make of the echo, were it asked
+        echo=LineEcho(delay_s=0.1, gain_db=-20),
+    )
+    assert not report.clears, "the bot interrupted itself on its own echo"
+    assert report.bot_audio_s > FULL_S
+    assert not fake_openai.requests_for("transcriptions"), "echo went to STT"
+    assert counted.get("speech/echo", 0) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("echo", [None, LineEcho(delay_s=0.1, gain_db=-20)], ids=["", "echo"])
+async def test_a_real_interruption_still_stops_the_bot(
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+    tmp_path: Path,
+    echo: LineEcho | None,
+) -> None:
+    sentence = "Sorry, can I talk to someone about my bill?"
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": sentence, "after": 1.5}}],
+        transcript=sentence,
+        echo=echo,
+    )
+    assert len(report.clears) == 1
+    assert report.bot_audio_s < 3.0, "the announcement went on after the interruption"
+    assert counted.get("speech/interrupted") == 1
+
+
+@pytest.mark.slow
+async def test_a_nodes_min_words_lets_a_short_phrase_through_without_stopping(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    policy = "\n    interruptions: {min_words: 3}"
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "I see why", "after": 1.5}}],
+        transcript="Oh, right.",  # two words, neither counts: "oh" and "right" are backchannel
+        policy=policy,
+    )
+    assert report.bot_audio_s > FULL_S and counted.get("speech/backchannel") == 1
+
+
+# -- an agent reply: what the history says after a resume ----------------------------------
+
+AGENT_FLOW = """
+name: t
+start: assistant
+nodes:
+  assistant:
+    kind: agent
+    greeting: Hello.
+    system: Be brief.
+    max_turns: 5
+    on_max_turns: bye
+    on_no_input: bye
+  bye: {kind: hangup, say: Bye.}
+"""
+REPLY = "We open at nine. We close at five on weekdays. On Saturdays we open at ten."
+
+
+@pytest.mark.slow
+async def test_after_a_backchannel_the_llm_sees_the_whole_reply_and_no_okay(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    fake_openai.speak = speak_24k
+    fake_openai.transcripts.extend(["when are you open", "Okay.", "thanks"])
+    fake_openai.chat = [ChatScript(text=REPLY), ChatScript(text="You're welcome.")]
+    (tmp_path / "routes.yaml").write_text("default: t\n")
+    (tmp_path / "t.yaml").write_text(AGENT_FLOW)
+    steps = [
+        "When are you open?",
+        {"barge_in": {"say": "okay", "after": 1.2}},
+        {"say": "Thanks."},
+    ]
+    async with gateway_factory(flows_dir=str(tmp_path)) as server:
+        report = await place_call(
+            server.base_url,
+            script=script_from_data(steps),
+            auth_token=AUTH_TOKEN,
+            public_base_url=PUBLIC_URL,
+        )
+    assert not report.errors, report.format_transcript()
+    assert len(report.clears) == 1, "the backchannel paused the reply once"
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 2, "the backchannel must not reach the LLM as a turn"
+    second = chats[1].json
+    assert second is not None
+    said = [(m["role"], m["content"]) for m in second["messages"] if m["role"] != "system"]
+    assert ("assistant", REPLY) in said, said
+    assert all("okay" not in str(c).lower() for r, c in said if r == "user"), said
+
+
+def _write_wav(path: Path, pcm16: bytes) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(pcm16)
+
+
+# -- the text-mode runner (ivr flows test) follows the same rules -----------------------------
+
+TERMS_FLOW = """
+name: t
+start: terms
+nodes:
+  terms:
+    kind: say
+    text: Please listen to these terms and conditions very carefully.{policy}
+    next: agree
+  agree:
+    kind: ask
+    prompt: Do you agree?
+    store: answer
+    next: bye
+  bye: {{kind: hangup}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("policy", "cut", "answer"),
+    [("", False, "yes"), ("\n    interruptions: {backchannels: []}", True, "okay")],
+    ids=["backchannel-swallowed", "every-word-counts"],
+)
+async def test_text_mode_swallows_backchannel_over_the_bot_unless_the_node_says_not(
+    policy: str, cut: bool, answer: str
+) -> None:
+    flow = load_flow_text(TERMS_FLOW.format(policy=policy), "t.yaml")
+    io = TextCallIO.scripted([said("okay", barge_in_after_words=3), said("yes")])
+    llm = OpenAICompatLlm(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")  # unused
+    async with httpx.AsyncClient() as http:
+        final = await FlowRunner(flow, io, llm, http).run()
+    await llm.aclose()
+    assert ("Please listen to --" in io.bot_lines) is cut, io.transcript
+    assert final.vars["answer"] == answer, io.transcript
+
+
+def test_a_resume_goes_back_to_the_last_pause_in_the_audio_before_the_cut() -> None:
+    phrase = pcm16_to_ulaw(speech_pcm16("our opening hours are nine to five"))
+    gap = b"\xff" * 160 * 15  # 300 ms of silence between the two sentences
+    audio = phrase + gap + phrase
+    second = len(phrase) + len(gap)
+    start = phrase_start(audio, second + 4000)  # half a second into the second sentence
+    assert second - 3 * 160 <= start <= second, (start, second)  # 40 ms lead-in, frame-aligned
+    assert phrase_start(audio, 4000) == 0  # cut in the first phrase: from the start

@@ -1,0 +1,153 @@
+"""Silero windows of many calls judged in one run (``ivr.audio.silero_batch``): batching is
+invisible in the decisions, saves runs when calls speak together, and never makes a lone
+call wait. Real model, real event loop, real speech."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
+
+from ivr.audio.endpointer import Endpointer, EndpointEvent
+from ivr.audio.gated_vad import GatedSileroVad, SileroPool
+from ivr.audio.vad import SileroModel, SileroVad
+
+SENTENCES = (
+    "I would like to check my account balance, please.",
+    "Do you have parking nearby?",
+    "What are your opening hours on Sunday?",
+    "My card was declined at the store this morning.",
+)
+
+
+def caller_audio(index: int) -> bytes:
+    """A different sentence and a different lead of line noise per caller."""
+    lead = noise_pcm16(0.2 + 0.07 * index, dbfs=-60, seed=40 + index, color="brown")
+    tail = noise_pcm16(0.8, dbfs=-60, seed=60 + index, color="brown")
+    return lead + trimmed(speech_pcm16(SENTENCES[index % len(SENTENCES)])) + tail
+
+
+def probabilities_alone(pcm16: bytes) -> list[float]:
+    """Each window's speech probability, one stream run on its own (no batching)."""
+    model = SileroModel.shared()
+    vad = SileroVad(model=model)
+    probs = []
+    for frame, _ in frames(pcm16):
+        window = vad._take(frame)
+        if window is not None:
+            prob, state = model.predict(window, vad._state)
+            vad._judged(prob, state)
+            probs.append(prob)
+    return probs
+
+
+async def probabilities_batched(pcm16: bytes, vad: SileroVad) -> list[float]:
+    model = SileroModel.shared()
+    probs = []
+    for frame, _ in frames(pcm16):
+        window = vad._take(frame)
+        if window is not None:
+            prob, state = await model.batcher().predict(vad, window, vad._state)
+            vad._judged(prob, state)
+            probs.append(prob)
+        await asyncio.sleep(0)  # calls' frames interleave, as on a busy loop
+    return probs
+
+
+async def test_batched_windows_get_exactly_what_each_stream_would_get_alone() -> None:
+    audios = [caller_audio(i) for i in range(6)]
+    alone = [probabilities_alone(a) for a in audios]
+    batcher = SileroModel.shared().batcher()
+    runs, windows = batcher.runs, batcher.windows
+    together = await asyncio.gather(*(probabilities_batched(a, SileroVad()) for a in audios))
+    for mine, reference in zip(together, alone, strict=True):
+        # A row mixed up with another stream's (or a state handed to the wrong one) would be
+        # off by far more than float noise on these different sentences.
+        np.testing.assert_allclose(mine, reference, atol=1e-4)
+    ran, judged = batcher.runs - runs, batcher.windows - windows
+    print(f"\n6 streams: {judged} windows in {ran} runs ({judged / ran:.1f} a run)")
+    assert judged == sum(len(a) for a in alone)
+    assert judged / ran >= 3, "streams speaking together must share runs"
+
+
+async def test_a_lone_stream_never_waits_for_company() -> None:
+    batcher = SileroModel.shared().batcher()
+    await asyncio.sleep(0.1)  # streams of an earlier test are no longer "recent"
+    runs, windows = batcher.runs, batcher.windows
+    audio = caller_audio(0)
+    vad = SileroVad()
+    loop = asyncio.get_running_loop()
+    for frame, _ in frames(audio):
+        window = vad._take(frame)
+        if window is None:
+            continue
+        pending = asyncio.ensure_future(batcher.predict(vad, window, vad._state))
+        await asyncio.sleep(0)
+        # Sent at once (the only stream heard from lately): no wait timer armed for it.
+        assert batcher._timer is None, "a lone stream's window must not wait for others"
+        vad._judged(*await pending)
+        await asyncio.sleep(0.001)
+    assert batcher.windows - windows == batcher.runs - runs > 0
+    assert loop.is_running()
+
+
+async def test_a_call_that_ends_mid_batch_leaves_the_others_their_answers() -> None:
+    model = SileroModel.shared()
+    batcher = model.batcher()
+    first, second = SileroVad(), SileroVad()
+    audio = caller_audio(1)
+    window_a = window_b = None
+    for frame, _ in frames(audio):
+        window_a = first._take(frame)
+        window_b = second._take(frame)
+        if window_a is not None:
+            break
+    assert window_a is not None and window_b is not None
+    reference, _ = model.predict(window_b.copy(), second._state)
+    gone = asyncio.ensure_future(batcher.predict(first, window_a, first._state))
+    kept = asyncio.ensure_future(batcher.predict(second, window_b, second._state))
+    await asyncio.sleep(0)
+    gone.cancel()  # its call hung up while the batch was out
+    prob, state = await kept
+    assert prob == pytest.approx(reference, abs=1e-5)
+    assert state.shape == (2, 1, 128)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+
+
+def described(event: EndpointEvent) -> tuple[str, float]:
+    return type(event).__name__, round(getattr(event, "t_detected", getattr(event, "t", 0.0)), 2)
+
+
+async def test_the_endpointer_finds_the_same_turns_with_batching_as_without() -> None:
+    pool = SileroPool()
+    audios = [caller_audio(i) for i in range(4)]
+
+    def events_sync(audio: bytes) -> list[tuple[str, float]]:
+        endpointer = Endpointer(GatedSileroVad(pool))
+        out = [described(e) for f, t in frames(audio) if (e := endpointer.push(f, t))]
+        endpointer.close()
+        return out
+
+    async def events_async(audio: bytes) -> list[tuple[str, float]]:
+        endpointer = Endpointer(GatedSileroVad(pool))
+        out = []
+        for f, t in frames(audio):
+            if (e := await endpointer.push_async(f, t)) is not None:
+                out.append(described(e))
+            await asyncio.sleep(0)
+        endpointer.close()
+        return out
+
+    # A model for each stream idle in the pool first: inside a loop a wake never waits for
+    # one to load (the gate decides meanwhile), which would differ from the offline run.
+    held = await asyncio.to_thread(lambda: [pool.acquire() for _ in audios])
+    for vad in held:
+        assert vad is not None
+        pool.release(vad)
+    expected = [await asyncio.to_thread(events_sync, a) for a in audios]
+    got = await asyncio.gather(*(events_async(a) for a in audios))
+    assert all(any(kind == "SpeechEnded" for kind, _ in e) for e in expected), expected
+    assert got == expected

@@ -1,0 +1,310 @@
+"""Speculative turns through the real gateway: STT, the LLM and TTS of the first sentence start
+while the caller's endpoint silence runs, are kept when the turn ends on the same words and are
+thrown away (requests cancelled, nothing heard, nothing in the history) when the caller goes on.
+
+The caller is the simulated Twilio media stream; the providers are a real local server speaking
+OpenAI's wire formats (FakeOpenAIServer), so every request below really went over HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from prometheus_client import REGISTRY
+
+from ivr.server import RunningServer
+from ivr.sim.caller import place_call
+from ivr.sim.report import CallReport
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
+
+pytestmark = pytest.mark.slow
+
+
+async def dial(server: RunningServer, script: list[Any]) -> CallReport:
+    """One simulated Twilio call at ``server`` speaking ``script``."""
+    return await place_call(
+        server.base_url, script=script, auth_token=AUTH_TOKEN, public_base_url=PUBLIC_URL
+    )
+
+
+def speculations(stage: str, outcome: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "ivr_speculations_total", {"stage": stage, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def counts() -> dict[str, float]:
+    return {
+        f"{stage}.{outcome}": speculations(stage, outcome)
+        for stage in ("stt", "llm", "tts")
+        for outcome in ("used", "wasted", "failed")
+    }
+
+
+def delta(before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before[k] for k, v in counts().items() if v - before[k]}
+
+
+def answer_by_last_words(request: dict[str, Any], token_delay: float = 0.0) -> ChatScript:
+    """A reply that says which words it answers, so the test can tell replies apart."""
+    last = [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
+    return ChatScript(text=f"You said {last}. Anything else?", token_delay=token_delay)
+
+
+async def test_a_finished_turn_uses_the_stt_llm_and_tts_started_during_its_silence(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    before = counts()
+    async with gateway_factory(speculate_after_ms=100) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    # One request per stage: the speculative ones were adopted, nothing was asked twice.
+    assert len(fake_openai.requests_for("transcriptions")) == 1
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 1 and chats[0].outcome == "completed"
+    used = delta(before)
+    assert used.get("stt.used") == 1 and used.get("llm.used") == 1, used
+    assert used.get("tts.used") == 1, used
+    assert not any(k.endswith((".wasted", ".failed")) for k in used), used
+    reply = report.turns[-1]
+    assert reply.bot_text is None or "opening hours" in (reply.bot_text or "")
+    assert reply.bot_audio_seconds > 0
+
+
+async def test_caller_going_on_after_a_pause_cancels_the_speculation_unheard(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # Transcripts in request order: the first pause, then the whole utterance.
+    fake_openai.transcripts_per_utterance = False
+    fake_openai.transcripts.extend(["check my balance", "check my balance then an agent"])
+    # A slow model: the speculative request is still streaming when the caller goes on.
+    fake_openai.chat = lambda request: answer_by_last_words(request, token_delay=0.15)
+    before = counts()
+    script: list[Any] = [
+        {"say": "Check my balance.", "wait": False},
+        {"silence": 0.18},  # longer than the 100 ms pause, shorter than the 300 ms end
+        {"say": "Then an agent.", "wait": False},
+    ]
+    async with gateway_factory(speculate_after_ms=100) as server:
+        report = await dial(server, script)
+    assert not report.errors and not report.violations, report.format_transcript()
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 2, [c.json for c in chats]
+    speculative, committed = chats
+    assert speculative.json is not None and committed.json is not None
+    assert speculative.json["messages"][-1]["content"] == "check my balance"
+    assert speculative.outcome == "disconnected"  # cancelled while it streamed
+    assert committed.json["messages"][-1]["content"] == "check my balance then an agent"
+    # Nothing of the speculative reply reached the caller, nor the history.
+    users = [m["content"] for m in committed.json["messages"] if m["role"] == "user"]
+    assert "check my balance" not in users
+    heard = [t.bot_text for t in report.turns if t.bot_audio_seconds > 0]
+    assert not any("You said check my balance." in (text or "") for text in heard), heard
+    counted = delta(before)
+    assert counted.get("stt.wasted") == 1 and counted.get("llm.wasted") == 1, counted
+    assert counted.get("stt.used") == 1 and counted.get("llm.used") == 1, counted
+
+
+async def test_a_speculative_stt_failure_is_never_heard(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    # The request made at the pause fails (not retryable); the finished turn asks again.
+    fake_openai.faults["transcriptions"] = Fault(status=400, times=1)
+    before = counts()
+    async with gateway_factory(speculate_after_ms=100) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    stt = fake_openai.requests_for("transcriptions")
+    assert len(stt) == 2
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 1
+    assert chats[0].json is not None
+    assert chats[0].json["messages"][-1]["content"] == "what are your opening hours"
+    assert delta(before).get("stt.failed") == 1
+    # The caller heard the answer, not the "sorry, I didn't catch that" prompt.
+    assert "opening hours" in (report.turns[-1].bot_text or report.format_transcript())
+
+
+async def test_speculation_off_sends_each_request_after_the_turn_ends(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    before = counts()
+    async with gateway_factory(speculate_after_ms=0) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 1
+    caller_end = report.turns[-1].caller_end_t
+    # Without speculation the model is asked only after the 300 ms endpoint silence.
+    assert chats[0].time >= caller_end + 0.3
+    assert delta(before) == {}
+
+
+async def test_the_same_words_after_a_resumed_pause_need_no_second_llm_request(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The caller pauses, makes a sound that STT hears as nothing new (a breath, "uh"), and
+    # stops: both pauses transcribe to the same words, so the reply started at the first is kept.
+    fake_openai.transcripts_per_utterance = False
+    fake_openai.transcripts.extend(["check my balance", "check my balance"])
+    fake_openai.chat = lambda request: answer_by_last_words(request, token_delay=0.05)
+    before = counts()
+    script: list[Any] = [
+        {"say": "Check my balance.", "wait": False},
+        {"silence": 0.18},
+        {"say": "Uh.", "wait": False},
+    ]
+    async with gateway_factory(speculate_after_ms=60) as server:
+        report = await dial(server, script)
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert len(fake_openai.requests_for("transcriptions")) == 2
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 1 and chats[0].outcome == "completed"
+    counted = delta(before)
+    assert counted.get("llm.used") == 1 and "llm.wasted" not in counted, counted
+    assert counted.get("stt.wasted") == 1 and counted.get("stt.used") == 1, counted
+
+
+# -- end of turn: the words at a pause move the end -------------------------------------------
+
+PAUSE_TO_LOOK_IT_UP: list[Any] = [
+    {"say": "My account number is", "wait": False},
+    {"silence": 0.7},
+    {"say": "four five six.", "wait": False},
+]
+
+
+def assert_one_reply_to_the_whole_sentence(report: CallReport, fake: FakeOpenAIServer) -> None:
+    assert not report.errors and not report.violations, report.format_transcript()
+    chats = fake.requests_for("chat")
+    assert len(chats) == 1, [c.json for c in chats]
+    assert chats[0].json is not None
+    users = [m["content"] for m in chats[0].json["messages"] if m["role"] == "user"]
+    assert users == ["my account number is 4 5 6"], users
+
+
+async def test_a_700_ms_pause_after_an_open_clause_does_not_end_the_turn(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # "My account number is" leaves the clause open: the turn waits the node's longest pause
+    # (1.5 s), so the caller's 0.7 s pause to look up the number does not cut them off.
+    fake_openai.transcripts_per_utterance = False
+    fake_openai.transcripts.extend(["my account number is", "my account number is 4 5 6"])
+    fake_openai.chat = answer_by_last_words
+    async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
+        report = await dial(server, PAUSE_TO_LOOK_IT_UP)
+    assert_one_reply_to_the_whole_sentence(report, fake_openai)
+
+
+async def test_words_that_come_after_the_endpoint_silence_still_keep_the_turn_open(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # An STT slower than the 300 ms endpoint silence (offline whisper takes ~0.4 s): the words
+    # at the pause arrive after that silence would have ended the turn. The turn waits for
+    # them, they leave the clause open, and the caller gets to finish the sentence.
+    fake_openai.transcripts_per_utterance = False
+    fake_openai.transcripts.extend(["my account number is", "my account number is 4 5 6"])
+    fake_openai.chat = answer_by_last_words
+    fake_openai.faults["transcriptions"] = Fault(delay=0.5)
+    async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
+        report = await dial(server, PAUSE_TO_LOOK_IT_UP)
+    assert_one_reply_to_the_whole_sentence(report, fake_openai)
+
+
+async def test_without_the_words_the_same_pause_cuts_the_caller_off(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The control: turns that end on 300 ms of silence alone end at the 0.7 s pause.
+    fake_openai.transcripts.extend(["my account number is", "4 5 6"])
+    fake_openai.chat = answer_by_last_words
+    async with gateway_factory(speculate_after_ms=0) as server:
+        report = await dial(server, PAUSE_TO_LOOK_IT_UP)
+    assert not report.errors
+    chats = fake_openai.requests_for("chat")
+    assert chats and chats[0].json is not None
+    users = [m["content"] for m in chats[0].json["messages"] if m["role"] == "user"]
+    assert users[0] == "my account number is", users
+
+
+async def test_words_that_settle_nothing_are_judged_by_the_audio_turn_model(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # "what are your opening hours" neither leaves a clause open nor closes the call: the
+    # Smart Turn model (from the pipecat-ai wheel, off the event loop) is asked, once.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+
+    def asked() -> float:
+        return sum(
+            REGISTRY.get_sample_value("ivr_turn_model_total", {"outcome": o}) or 0.0
+            for o in ("complete", "incomplete", "timeout", "error", "unavailable")
+        )
+
+    before = asked()
+    async with gateway_factory(speculate_after_ms=60, turn_model="smart-turn") as server:
+        assert server.gateway.services.turn_model is not None
+        assert server.gateway.services.turn_model.available
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert asked() - before == 1
+    assert report.turns[-1].bot_audio_seconds > 0
+
+
+async def test_a_speculative_llm_request_that_is_reset_is_never_heard(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The reply requested at the pause is reset before its headers: the prefetch failed, so
+    # the finished turn sends its own request and the caller hears the answer, with no
+    # apology; the failure is counted for the SRE.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    fake_openai.faults["chat"] = Fault(drop=True, times=1)
+    before = counts()
+    errors_before = REGISTRY.get_sample_value(
+        "ivr_provider_errors_total", {"stage": "llm", "provider": "openai_compat", "kind": "reset"}
+    )
+    async with gateway_factory(speculate_after_ms=60) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 2 and chats[-1].outcome == "completed", [c.outcome for c in chats]
+    assert delta(before).get("llm.failed") == 1, delta(before)
+    errors = REGISTRY.get_sample_value(
+        "ivr_provider_errors_total", {"stage": "llm", "provider": "openai_compat", "kind": "reset"}
+    )
+    assert (errors or 0.0) > (errors_before or 0.0)
+    reply = report.turns[-1]
+    assert reply.bot_audio_seconds > 0 and reply.latency_s is not None
+    assert "opening hours" in (reply.bot_text or report.format_transcript())
+
+
+async def test_a_speculative_llm_request_that_fails_after_the_turn_took_it_is_never_heard(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The reply requested at the pause is still being tried when the turn ends and takes it
+    # over; then it fails (reset half a second in). The turn sends its own request, as it
+    # would have without speculation: the caller hears the answer, not the apology.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    fake_openai.faults["chat"] = Fault(drop=True, delay=0.5, times=1)
+    before = counts()
+    async with gateway_factory(speculate_after_ms=60) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    chats = fake_openai.requests_for("chat")
+    outcomes = [c.outcome for c in chats]
+    assert len(chats) == 2 and chats[-1].outcome == "completed", outcomes
+    assert delta(before).get("llm.used") == 1, delta(before)
+    reply = report.turns[-1]
+    assert reply.bot_audio_seconds > 0
+    assert "opening hours" in (reply.bot_text or report.format_transcript())
+    assert "sorry" not in (reply.bot_text or "").lower(), report.format_transcript()

@@ -42,7 +42,9 @@ API_ROUTES = [
     ("GET", "/console/api/calls/CA00000000000000000000000000000000"),
     ("GET", "/console/api/ended"),
     ("GET", "/console/api/ended?pii=true"),
+    ("GET", "/console/api/ended?before=2026-01-01T00:00:00%2B00:00&date=2026-01-01"),
     ("GET", "/console/api/events"),
+    ("GET", "/console/api/calls/CA00000000000000000000000000000000/recording"),
 ]
 
 
@@ -215,6 +217,90 @@ async def test_an_event_stream_ends_itself_with_bye_so_the_page_gets_a_fresh_tic
         "bye",
     ]
     assert CALLER not in answer.text and MASKED_CALLER in answer.text
+
+
+def test_the_record_timeline_shows_keys_masked_barge_ins_and_its_own_node_changes() -> None:
+    record = CallRecord(call_sid="CA4", from_number=CALLER)
+    record.add_message("assistant", "Our opening hours are nine to")
+    record.add_message("user", "thanks")
+    record.add_events(
+        [
+            {"at": "2026-01-01T10:00:01+00:00", "kind": "node", "from": "", "to": "menu"},
+            {"at": "2026-01-01T10:00:03+00:00", "kind": "dtmf", "node": "menu", "digits": "12"},
+            {"at": "2026-01-01T10:00:04+00:00", "kind": "node", "from": "menu", "to": "agent"},
+            {
+                "at": "2026-01-01T10:00:06+00:00",
+                "kind": "barge_in",
+                "node": "agent",
+                "heard": "Our opening hours are nine to",
+            },
+        ]
+    )
+    seen = [
+        {"at": "2026-01-01T10:00:02+00:00", "kind": "seen", "to": "menu", "status": "active"},
+        {"at": "2026-01-01T10:00:05+00:00", "kind": "node", "from": "menu", "to": "agent"},
+        {"at": "2026-01-01T10:00:07+00:00", "kind": "transfer", "number": "+15550009999"},
+    ]
+    masked = views.detail(record, pii=False, events=seen)
+    kinds = [
+        (e["kind"], e.get("digits") or e.get("to") or e.get("number")) for e in masked["events"]
+    ]
+    assert kinds == [
+        ("node", "menu"),
+        ("dtmf", "**"),
+        ("node", "agent"),
+        ("barge_in", None),
+        ("transfer", "+*********99"),
+    ]  # the console's own node sightings give way to the record's
+    assert views.detail(record, pii=True, events=[])["events"][1]["digits"] == "12"
+    assert [line["cut"] for line in masked["transcript"] if line["who"] == "bot"] == [True]
+
+
+async def test_the_ended_search_pages_every_ended_call_and_refuses_a_bad_field() -> None:
+    store = MemoryCallStore()
+    for i in range(5):
+        flow = "sales" if i % 2 else "support"
+        await store.create(CallRecord(call_sid=f"CA-{i}", from_number=CALLER, flow_name=flow))
+        await store.end(f"CA-{i}")
+        await asyncio.sleep(0.002)
+    await store.create(CallRecord(call_sid="CA-live", from_number=CALLER))
+    app = FastAPI()
+    app.include_router(console_router(store, ADMIN, PII))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://console") as http:
+
+        async def search(**params: Any) -> dict[str, Any]:
+            answer = await http.get("/console/api/ended", params=params, headers=bearer(ADMIN))
+            assert answer.status_code == 200, answer.text
+            found: dict[str, Any] = answer.json()
+            return found
+
+        first = await search(limit=2)
+        assert [c["call_sid"] for c in first["calls"]] == ["CA-4", "CA-3"] and first["next"]
+        second = await search(limit=2, before=first["next"])
+        assert [c["call_sid"] for c in second["calls"]] == ["CA-2", "CA-1"]
+        last = await search(limit=2, before=second["next"])
+        assert [c["call_sid"] for c in last["calls"]] == ["CA-0"] and last["next"] is None
+        sales = await search(flow="sales")
+        assert [c["call_sid"] for c in sales["calls"]] == ["CA-3", "CA-1"]
+        assert sales["calls"][0]["caller"] == MASKED_CALLER and sales["partial"] is False
+        today = first["calls"][0]["ended_at"][:10]
+        assert len((await search(date=today))["calls"]) == 5
+        assert (await search(date="2001-01-01"))["calls"] == []
+        assert (await search(q="5550001111"))["calls"] == []  # masked: not searchable by digits
+        unmasked = await http.get(
+            "/console/api/ended",
+            params={"q": "5550001111", "pii": "true"},
+            headers=bearer(PII),
+        )
+        assert len(unmasked.json()["calls"]) == 5
+        for params, problem in (
+            ({"date": "2026-13-01"}, "date='2026-13-01': expected a day as YYYY-MM-DD"),
+            ({"before": "yesterday"}, "before='yesterday': expected an ISO 8601 time"),
+            ({"before": "2026-01-01T00:00:00"}, "needs its UTC offset"),
+        ):
+            answer = await http.get("/console/api/ended", params=params, headers=bearer(ADMIN))
+            assert answer.status_code == 422 and problem in answer.json()["detail"]
 
 
 # -- through a real gateway: auth and masking -------------------------------------------------
@@ -467,6 +553,116 @@ async def test_a_browser_sees_the_call_its_transcript_and_waterfall_live(
         await expect(page.locator("#active-table tbody tr")).to_have_count(0)
         await expect(page.locator("#events")).to_contain_text("goodbye")
         await page.screenshot(path=str(ARTIFACTS / "console-ended-call.png"), full_page=True)
+        assert CALLER not in await page.content()
+        await browser.close()
+    assert not errors, errors
+
+
+KEYS_FLOW = """\
+name: default
+start: menu
+nodes:
+  menu:
+    kind: menu
+    prompt: For opening hours, press 1.
+    options:
+      - {key: "1", say: [hours], next: assistant}
+    fallback: assistant
+  assistant:
+    kind: agent
+    system: You answer questions about opening hours.
+    tools:
+      - {name: end_call, description: The caller is done., next: goodbye}
+    max_turns: 5
+    on_max_turns: goodbye
+    on_no_input: goodbye
+  goodbye:
+    kind: hangup
+    say: Goodbye!
+"""
+
+
+@pytest.mark.slow
+async def test_a_browser_on_another_instance_lists_an_ended_call_with_its_keys_and_barge_in(
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+    chromium: str,
+    prefix: str,
+    tmp_path: Path,
+) -> None:
+    """The call runs and ends on instance A; instance B starts only afterwards (its console
+    never saw the call live), lists it from the store's ended index and shows its timeline."""
+    from playwright.async_api import async_playwright, expect
+
+    flows = tmp_path / "flows"
+    flows.mkdir()
+    (flows / "default.yaml").write_text(KEYS_FLOW)
+    fake_openai.transcripts.extend(["opening hours", "and on saturdays", "thanks bye"])
+    fake_openai.chat = [
+        ChatScript(text=LONG_REPLY),
+        ChatScript(text="On Saturdays we open at ten."),
+        ChatScript(tool_calls=[ScriptToolCall("end_call")]),
+    ]
+    script = [
+        {"press": "1"},
+        "When are you open?",
+        {"barge_in": {"say": "And on Saturdays?", "after": 1.5}},
+        {"silence": 1.0},
+        "Thanks, bye.",
+    ]
+    shared = {
+        "redis_url": LOCAL_REDIS_URL,
+        "redis_prefix": prefix,
+        "admin_token": ADMIN,
+        "admin_pii_token": PII,
+        "flows_dir": str(flows),
+    }
+    async with gateway_factory(instance_id="gw-a", **shared) as a:
+        report = await call_at(a, script)
+    assert not report.errors, report.format_transcript()
+    ARTIFACTS.mkdir(exist_ok=True)
+    async with (
+        gateway_factory(instance_id="gw-b", **shared) as b,
+        httpx.AsyncClient(base_url=b.base_url, timeout=10) as http,
+        async_playwright() as pw,
+    ):
+        # The record, through B's API: keys masked but for the PII token, node changes.
+        shown = await http.get(f"/console/api/calls/{report.call_sid}", headers=bearer(ADMIN))
+        events = shown.json()["events"]
+        assert [e["digits"] for e in events if e["kind"] == "dtmf"] == ["*"]
+        assert [e["to"] for e in events if e["kind"] == "node"] == ["menu", "assistant", "goodbye"]
+        [barge_in] = [e for e in events if e["kind"] == "barge_in"]
+        assert barge_in["node"] == "assistant" and LONG_REPLY.startswith(barge_in["heard"])
+        unmasked = await http.get(
+            f"/console/api/calls/{report.call_sid}", params={"pii": "true"}, headers=bearer(PII)
+        )
+        assert [e["digits"] for e in unmasked.json()["events"] if e["kind"] == "dtmf"] == ["1"]
+        browser = await pw.chromium.launch(executable_path=chromium, headless=True)
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        await page.goto(f"{b.base_url}/console")
+        await page.fill("#token", ADMIN)
+        await page.click("#login-form button")
+        await expect(page.locator("#link-state")).to_have_text("live", timeout=5000)
+        ended = page.locator("#ended-table tbody tr[data-sid]")
+        await expect(ended).to_have_count(1, timeout=10_000)
+        await expect(ended).to_contain_text(MASKED_CALLER)
+        await expect(ended).to_contain_text("hangup")
+        await page.fill("#flow", "nosuchflow")
+        await page.click("#ended-form button")
+        await expect(ended).to_have_count(0)
+        await page.fill("#flow", "default")
+        await page.click("#ended-form button")
+        await expect(ended).to_have_count(1)
+        await ended.click()
+        await expect(page.locator("#call-title")).to_have_text(report.call_sid)
+        await expect(page.locator("#events li.dtmf")).to_have_count(1)
+        await expect(page.locator("#events li.dtmf")).to_contain_text("key press * at menu")
+        await expect(page.locator("#events li.barge_in")).to_contain_text("barge-in at assistant")
+        await expect(page.locator("#events li.node")).to_have_count(3)
+        await expect(page.locator("#transcript li.bot.cut").first).to_be_visible()
+        await page.screenshot(path=str(ARTIFACTS / "console-ended-elsewhere.png"), full_page=True)
         assert CALLER not in await page.content()
         await browser.close()
     assert not errors, errors

@@ -18,6 +18,7 @@ import test_state_contract as contract
 from redis.crc import key_slot
 from redis_cluster import SERVICE, ClusterProcesses, Node, SentinelProcesses
 from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+from structlog.testing import capture_logs
 
 from ivr.errors import ConfigError
 from ivr.state.base import CallStore, apply_mutation
@@ -194,6 +195,35 @@ async def test_cluster_keys_carry_the_call_sid_as_hash_tag(cluster: ClusterProce
     call_key = f"{prefix}call:{{CA-tag}}"
     assert keys == {call_key, f"{prefix}active", f"{prefix}token:tok1", f"{prefix}flow:v1"}
     assert key_slot(call_key.encode()) == key_slot(b"CA-tag")
+
+
+@pytest.mark.slow
+async def test_a_cluster_end_whose_ended_index_write_fails_still_ends_the_call(
+    cluster: ClusterProcesses,
+) -> None:
+    """The ended index is another slot than the call: its write is a command of its own. When it
+    fails (here: a key of the wrong type where the index goes) the end stands, counted and
+    logged; the call is missing from the ended list only, and is listed once the index works
+    and the record is written again."""
+    prefix = unique_prefix()
+    store = RedisCallStore(cluster.url, prefix=prefix)
+    try:
+        await store.create(contract.a_call("CA-x"))
+        await store._redis.set(f"{prefix}ended", "not a sorted set")
+        with capture_logs() as logs:
+            await store.end("CA-x")
+        ended = await store.get("CA-x")
+        assert ended is not None and ended.ended_at is not None
+        assert await store.list_active(10) == []
+        assert store.unindexed_ends == 1
+        assert [e["event"] for e in logs] == ["redis_ended_index_failed"]
+        await store._redis.delete(f"{prefix}ended")
+        assert await store.list_ended(10) == []
+        await store.update("CA-x", contract.incr("n"))  # the next write lists it
+        assert [r.call_sid for r in await store.list_ended(10)] == ["CA-x"]
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(cluster.delete_prefix, prefix)
 
 
 def _all_keys(deployment: Deployment, prefix: str) -> list[str]:

@@ -317,3 +317,78 @@ async def test_returned_flow_sources_are_a_copy(store: CallStore) -> None:
     assert got is not None
     got["support.yaml"] = "changed"
     assert await store.load_flow_sources("v1abc") == SOURCES
+
+
+# -- the ended index: calls that ended on any instance, newest first ----------------------------
+
+
+async def end_in_order(store: CallStore, *sids: str) -> list[CallRecord]:
+    """Create and end each call in turn; their records as stored (ended_at set)."""
+    ended = []
+    for sid in sids:
+        await store.create(a_call(sid))
+        await asyncio.sleep(0.002)  # distinct end times
+        await store.end(sid)
+        got = await store.get(sid)
+        assert got is not None and got.ended_at is not None
+        ended.append(got)
+    return ended
+
+
+async def test_ended_calls_are_listed_newest_first_and_paged_by_end_time(
+    store: CallStore,
+) -> None:
+    await store.create(a_call("CA-live"))
+    first, second, third = await end_in_order(store, "CA-e1", "CA-e2", "CA-e3")
+    page = await store.list_ended(2)
+    assert [r.call_sid for r in page] == ["CA-e3", "CA-e2"]
+    assert page[0] == third and page[1].ended_at == second.ended_at
+    rest = await store.list_ended(2, before=page[-1].ended_at)
+    assert [r.call_sid for r in rest] == ["CA-e1"]
+    assert await store.list_ended(2, before=first.ended_at) == []
+    assert await store.list_ended(0) == []
+    assert [r.call_sid for r in await store.list_active(10)] == ["CA-live"]
+
+
+async def test_an_ended_call_is_listed_once_at_its_end_time_however_often_it_is_written(
+    store: CallStore,
+) -> None:
+    [ended] = await end_in_order(store, "CA-once")
+    await store.end("CA-once")  # ending again keeps the first end time
+
+    def attach(r: CallRecord) -> None:
+        r.recordings.append("local:CA-once.ogg")
+
+    await store.update("CA-once", attach)  # a recording saved after the end
+    [listed] = await store.list_ended(10)
+    assert listed.call_sid == "CA-once" and listed.ended_at == ended.ended_at
+    assert listed.recordings == ["local:CA-once.ogg"]
+
+
+async def test_a_call_stored_already_ended_is_listed(store: CallStore) -> None:
+    """A write-back of a call that ended while the store was away creates it ended."""
+    ended = a_call("CA-late", status=CallStatus.ENDED, ended_at=a_call().created_at)
+    await store.create(ended)
+    assert [r.call_sid for r in await store.list_ended(10)] == ["CA-late"]
+
+
+async def test_an_ended_call_leaves_the_ended_list_when_it_expires(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store(ended_ttl=0.3)
+    await end_in_order(store, "CA-gone")
+    assert [r.call_sid for r in await store.list_ended(10)] == ["CA-gone"]
+    await asyncio.sleep(0.45)
+    assert await store.list_ended(10) == []
+
+
+async def test_the_timeline_keeps_only_the_newest_events(store: CallStore) -> None:
+    await store.create(a_call(timeline_limit=3))
+    for i in range(5):
+
+        def press(r: CallRecord, i: int = i) -> None:
+            r.add_events([{"at": f"t{i}", "kind": "dtmf", "digits": str(i)}])
+
+        await store.update("CA0001", press)
+    got = await store.get("CA0001")
+    assert got is not None and [e["digits"] for e in got.timeline] == ["2", "3", "4"]

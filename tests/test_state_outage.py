@@ -205,3 +205,22 @@ async def test_closing_with_redis_down_gives_up_after_the_close_timeout(
     async with asyncio.timeout(5):
         await store.aclose()
     assert store.statistics().dropped == 1
+
+
+async def test_the_ended_list_while_redis_is_down_holds_this_instances_ends_and_heals(
+    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+) -> None:
+    await store.create(a_call("CA-before"))
+    await store.end("CA-before")
+    assert [r.call_sid for r in await direct.list_ended(10)] == ["CA-before"]
+    server.stop()
+    await store.create(a_call("CA-during"))
+    await store.end("CA-during")
+    during = [r.call_sid for r in await store.list_ended(10)]
+    assert store.degraded is True
+    server.start()  # empty: no persistence, like a replacement Redis
+    await until(lambda: not store.degraded)
+    assert during == ["CA-during", "CA-before"]
+    # The outage's end reached the new Redis's index with its write-back.
+    assert [r.call_sid for r in await direct.list_ended(10)] == ["CA-during"]
+    assert [r.call_sid for r in await store.list_ended(10)] == ["CA-during"]

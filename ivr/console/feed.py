@@ -5,12 +5,11 @@ once per ``interval`` while anyone watches, and once per ``idle_interval`` other
 each ``Snapshot`` to every subscriber (a one-slot queue each: a slow browser gets the newest
 snapshot, never a backlog). A hundred open consoles cost the store what one does.
 
-The feed also remembers what the record does not keep: when it saw a call change node or status,
-move to another stream or instance, or start a transfer (``events``), and the calls it saw end
-(``ended``, newest first, bounded). The store has no listing of ended calls (a record leaves the
-active index when it ends and expires after IVR_CALL_TTL_SECONDS), so the ended list holds the
-calls this instance saw live since it started; any call still in the store can be opened by its
-CallSid.
+The feed also remembers what the record's timeline does not keep: when it saw a call change
+status, move to another stream or instance, or start a transfer (``events``; node changes too,
+for records written before the timeline existed), and the calls it saw end (``ended``, newest
+first, bounded). The console's ended list reads the store's ended index instead
+(``ivr.console.ended``): every instance's ended calls.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import functools
 import json
 from collections.abc import AsyncIterator
 from importlib import resources
+from pathlib import PurePosixPath
 from typing import Annotated, Any, NoReturn
 
 import structlog
@@ -22,9 +23,14 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from ivr.console import views
 from ivr.console.auth import TICKET_TTL, Access, ConsoleAuth
+from ivr.console.ended import BadSearch, Search, search_ended
 from ivr.console.feed import ActiveFeed, Snapshot
+from ivr.recording.encode import MEDIA_TYPE
+from ivr.recording.service import Recordings
+from ivr.recording.sinks import RecordingError, RecordingNotFound
 from ivr.state.admin import stored_call
-from ivr.state.base import CallStore
+from ivr.state.base import CallStore, StoreError
+from ivr.state.resilient import statistics_of
 
 log = structlog.get_logger("ivr.console")
 
@@ -36,7 +42,8 @@ HEARTBEAT_SECONDS = 10.0
 _HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-        "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+        "img-src 'self' data:; media-src 'self' blob:; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
@@ -57,6 +64,7 @@ def console_router(
     *,
     feed: ActiveFeed | None = None,
     stream_seconds: float = STREAM_SECONDS,
+    recordings: Recordings | None = None,
 ) -> APIRouter:
     """The console under ``/console``; its feed runs for the app's lifetime when enabled."""
     auth = ConsoleAuth(token, pii_token)
@@ -76,6 +84,7 @@ def console_router(
     _page_routes(router, auth)
     _api_routes(router, auth, store, feed)
     _stream_route(router, auth, feed, stream_seconds)
+    _recording_route(router, auth, store, recordings)
     return router
 
 
@@ -120,13 +129,58 @@ def _api_routes(router: APIRouter, auth: ConsoleAuth, store: CallStore, feed: Ac
         flow: str = "",
         outcome: str = "",
         date: str = "",
-        limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+        before: str = "",
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
         pii: bool = pii_shown,
     ) -> dict[str, Any]:
-        rows = [r for r in feed.ended(pii=pii) if views.matches(r, q, flow, outcome, date)]
+        """Ended calls of every instance (the store's ended index), newest first; ``next``
+        is the ``before`` of the following page (None: no more)."""
+        try:
+            search = Search.parse(q, flow, outcome, date, before)
+        except BadSearch as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from exc
+        try:
+            found = await search_ended(store, search, limit=limit, pii=pii)
+        except StoreError as exc:
+            log.warning("console.store_read_failed", error=str(exc))
+            raise HTTPException(status_code=503, detail=f"call store: {exc}") from exc
+        stats = statistics_of(store)
+        # Degraded: the list holds only what this instance ended or saw end (see the store).
+        found["partial"] = bool(stats and stats.degraded)
+        found["matched"] = len(found["calls"])
         if pii:
-            log.info("console.pii_shown", calls=min(len(rows), limit))
-        return {"calls": rows[:limit], "matched": len(rows)}
+            log.info("console.pii_shown", calls=len(found["calls"]))
+        return found
+
+
+def _recording_route(
+    router: APIRouter, auth: ConsoleAuth, store: CallStore, recordings: Recordings | None
+) -> None:
+    access_to = Depends(_Guard(auth))
+
+    @router.get("/api/calls/{call_sid}/recording")
+    async def recording(
+        call_sid: str, part: Annotated[int, Query(ge=0)] = 0, access: Access = access_to
+    ) -> StreamingResponse:
+        """One recorded stream of a call (``part``: 0 for the first), streamed from the sink."""
+        record = await stored_call(store, call_sid)
+        if part >= len(record.recordings):
+            raise HTTPException(status_code=404, detail=f"call {call_sid} has no recording {part}")
+        if recordings is None:
+            raise HTTPException(status_code=404, detail="recordings are off on this instance")
+        location = record.recordings[part]
+        try:
+            body = await recordings.open(location)
+        except RecordingNotFound as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        except RecordingError as exc:
+            log.error("console.recording_unreadable", call_sid=call_sid, reason=exc.reason)
+            raise HTTPException(status_code=502, detail=f"recording sink: {exc.reason}") from exc
+        log.info("console.recording_played", call_sid=call_sid, part=part)
+        media_type = MEDIA_TYPE.get(PurePosixPath(location).suffix, "application/octet-stream")
+        headers = {**_HEADERS, "Content-Length": str(body.size)}
+        # A plain iterator: Starlette reads it on a worker thread (file or S3 reads block).
+        return StreamingResponse(body.chunks, media_type=media_type, headers=headers)
 
 
 def _stream_route(router: APIRouter, auth: ConsoleAuth, feed: ActiveFeed, seconds: float) -> None:

@@ -3,11 +3,12 @@
 Everything here is a pure function of a ``CallRecord``; masking follows the admin API (numbers
 masked, and phone- or card-like text anywhere, unless ``pii``).
 
-The record keeps what the caller heard (``history``, bot text cut at a barge-in) and one latency
-breakdown per answered turn (``turns``, see ``ivr.call.turns.TurnTimings.breakdown``); it carries
-no barge-in flag and no node history. A bot line is shown as cut off when the record says so
-(``interrupted``) or when it stops mid-sentence and the caller spoke next, which is what a
-barge-in leaves behind; node changes are what the console saw between its reads (``feed``).
+The record keeps what the caller heard (``history``, bot text cut at a barge-in), one latency
+breakdown per answered turn (``turns``, see ``ivr.call.turns.TurnTimings.breakdown``) and its
+timeline (``timeline``: key presses, barge-ins, node changes; ``ivr.call.timeline``). A bot line
+is shown as cut off when a barge-in on the timeline heard exactly it, or when it stops
+mid-sentence and the caller spoke next (records written before the timeline existed). Key
+presses are shown only to the PII token; others see one ``*`` per key.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import itertools
 from datetime import UTC, datetime
 from typing import Any
 
+from ivr.obs.pii import mask_speech
 from ivr.state.base import CallRecord, mask
 
 STAGES: tuple[tuple[str, str, float], ...] = (
@@ -60,6 +62,7 @@ def summary(record: CallRecord, *, pii: bool) -> dict[str, Any]:
         "ended_at": record.ended_at.isoformat() if record.ended_at else None,
         "duration_s": _duration(record),
         "turns": len(record.turns),
+        "recordings": len(record.recordings),
         "version": record.version,
     }
 
@@ -68,17 +71,31 @@ def detail(record: CallRecord, *, pii: bool, events: list[dict[str, Any]]) -> di
     """One call: its summary, transcript as heard, latency waterfall per turn, and events."""
     view = record.view(pii=pii)
     out = summary(record, pii=pii)
-    out["transcript"] = transcript(view)
+    barged = {_heard(e.get("heard")) for e in record.timeline if e.get("kind") == "barge_in"}
+    out["transcript"] = transcript(view, barged - {""})
     out["waterfall"] = [waterfall(turn) for turn in record.turns]
     out["totals"] = totals(record.turns)
     out["transfer_to"] = view.get("transfer_to") or ""
     out["end_action"] = record.end_action
-    out["events"] = [_masked_event(e, pii) for e in events]
+    out["events"] = timeline_events(record, events, pii=pii)
     return out
 
 
-def transcript(view: dict[str, Any]) -> list[dict[str, Any]]:
-    """Caller and bot lines (the bot's as heard) and tool calls, in order."""
+def timeline_events(
+    record: CallRecord, seen: list[dict[str, Any]], *, pii: bool
+) -> list[dict[str, Any]]:
+    """The record's timeline and what the console saw (``seen``), oldest first. Node changes
+    come from the record when it has them (every instance writes them), else from ``seen``."""
+    kept = [_timeline_event(e, pii) for e in record.timeline]
+    if any(e.get("kind") == "node" for e in record.timeline):
+        seen = [e for e in seen if e.get("kind") not in ("node", "seen")]
+    merged = kept + [_masked_event(e, pii) for e in seen]
+    return sorted(merged, key=lambda e: str(e.get("at", "")))
+
+
+def transcript(view: dict[str, Any], barged: set[str] | None = None) -> list[dict[str, Any]]:
+    """Caller and bot lines (the bot's as heard) and tool calls, in order; a bot line whose
+    text a barge-in heard (``barged``, as ``_heard`` keeps it) is cut."""
     flow_history = view.get("flow_state", {}).get("history")
     items: list[dict[str, Any]] = flow_history or view.get("history") or []
     lines: list[dict[str, Any]] = []
@@ -88,7 +105,8 @@ def transcript(view: dict[str, Any]) -> list[dict[str, Any]]:
             lines.append({"who": "caller", "text": text})
         elif role == "assistant":
             if text:
-                lines.append({"who": "bot", "text": text, "cut": bool(item.get("interrupted"))})
+                cut = bool(item.get("interrupted")) or _heard(text) in (barged or set())
+                lines.append({"who": "bot", "text": text, "cut": cut})
             for call in item.get("tool_calls") or []:
                 lines.append({"who": "tool", "text": f"{call['name']}({call['arguments']})"})
         elif role == "tool":
@@ -176,6 +194,19 @@ def _duration(record: CallRecord) -> float:
 
 def _stops_mid_sentence(text: str) -> bool:
     return not text.rstrip().endswith(_SENTENCE_END)
+
+
+def _heard(text: object) -> str:
+    return mask_speech(str(text or "")).strip()
+
+
+def _timeline_event(event: dict[str, Any], pii: bool) -> dict[str, Any]:
+    shown = dict(event)
+    if not pii and shown.get("kind") == "dtmf":
+        shown["digits"] = "*" * len(str(shown.get("digits", "")))
+    if not pii and "heard" in shown:
+        shown["heard"] = mask_speech(str(shown["heard"]))
+    return shown
 
 
 def _masked_event(event: dict[str, Any], pii: bool) -> dict[str, Any]:

@@ -53,6 +53,17 @@ def stored_state(flow: Flow, state: FlowState) -> FlowState:
     )
 
 
+def stored_digits(flow: Flow, state: FlowState, digits: str) -> str:
+    """Keys pressed at ``state``'s node as the call record keeps them (its timeline): like the
+    answer they are, in clear only if the node stores them in a ``variables_in_clear`` one."""
+    running = flow.flow_named(state.flow)
+    node = running.nodes.get(state.node) if running is not None else None
+    store = node.store if isinstance(node, AskNode | MenuNode) else None
+    if store and store in _policy(flow, state.flow).clear:
+        return digits
+    return mask_answer(digits)
+
+
 def mask_answer(text: str) -> str:
     """A caller's answer with 3 or more digits: those digits alone, all but the last masked."""
     digits = matching.spoken_digits(text)

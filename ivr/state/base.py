@@ -29,6 +29,7 @@ from ivr.obs.pii import mask_deep, mask_speech
 
 DEFAULT_HISTORY_LIMIT = 50
 DEFAULT_TURNS_LIMIT = 100
+DEFAULT_TIMELINE_LIMIT = 200
 DEFAULT_ENDED_TTL = 86_400.0
 
 Mutator = Callable[["CallRecord"], None]
@@ -104,6 +105,19 @@ class HistoryMessage(BaseModel):
     content: str
 
 
+class WarmTransferLeg(BaseModel):
+    """A warm transfer under way: the caller holds in conference ``room`` while the agent is
+    dialled. Every instance answers its status callbacks from this, so it lives in the record."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    room: str
+    status: Literal["holding", "dialling", "connected", "failed"] = "holding"
+    agent_call_sid: str = ""
+    result: str = ""
+    """Why it failed: no-answer, busy, failed, canceled, not-joined, timeout, caller-left."""
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -149,12 +163,29 @@ class CallRecord(BaseModel):
     version: int = 0  # set by the store: 1 after create, +1 on every write
     instance_id: str | None = None
     stream_count: int = 0
+    # Recording: asked for this call by whoever created it (per call), then settled by its
+    # flow when it is pinned (a flow may record every call, or never); the streams' files.
+    record_call: bool = False
+    recordings: list[str] = Field(default_factory=list)
+    """Where each recorded stream of the call was saved (``local:KEY``, ``s3://B/KEY``)."""
     # How the flow decided to leave the stream; the <Connect action> handler turns it into TwiML
     # on whichever instance Twilio asks. None while the call is live (a dropped stream resumes).
     end_action: Literal["hangup", "transfer"] | None = None
     transfer_to: str = Field(default="", json_schema_extra=_PII)
+    warm_transfer: WarmTransferLeg | None = None
+    direction: Literal["inbound", "outbound"] = "inbound"
+    """``outbound``: placed by ``POST /calls`` / ``ivr dial``; its flow was chosen at dial time."""
+    answered_by: str = ""
+    """Outbound: who answered as the flow saw it (human, machine, unknown)."""
+    twilio_answered_by: str = ""
+    """Outbound with Twilio's AMD: its ``AnsweredBy`` (human, machine_end_beep, fax, ...)."""
     history_limit: int = Field(default=DEFAULT_HISTORY_LIMIT, ge=1)
     turns_limit: int = Field(default=DEFAULT_TURNS_LIMIT, ge=1)
+    timeline: list[dict[str, Any]] = Field(default_factory=list)
+    """What happened on the call besides its words, oldest first: ``{"at": ISO time, "kind":
+    "dtmf" | "barge_in" | "node", ...}`` (see ``ivr.call.timeline``); the newest
+    ``timeline_limit`` are kept. Key presses are stored as the flow stores answers."""
+    timeline_limit: int = Field(default=DEFAULT_TIMELINE_LIMIT, ge=1)
 
     @model_validator(mode="after")
     def _bounded_on_load(self) -> CallRecord:
@@ -177,12 +208,18 @@ class CallRecord(BaseModel):
         self.turns.append(dict(latencies))
         self.enforce_bounds()
 
+    def add_events(self, events: list[dict[str, Any]]) -> None:
+        self.timeline.extend(dict(event) for event in events)
+        self.enforce_bounds()
+
     def enforce_bounds(self) -> None:
-        """Keep only the newest messages/turns; stores call this before every write."""
+        """Keep only the newest messages/turns/events; stores call this before every write."""
         if len(self.history) > self.history_limit:
             del self.history[: len(self.history) - self.history_limit]
         if len(self.turns) > self.turns_limit:
             del self.turns[: len(self.turns) - self.turns_limit]
+        if len(self.timeline) > self.timeline_limit:
+            del self.timeline[: len(self.timeline) - self.timeline_limit]
 
     def redacted(self) -> CallRecord:
         """A copy safe for listings and logs: personal-data fields masked."""
@@ -302,6 +339,14 @@ class CallStore(Protocol):
 
     async def list_active(self, limit: int = 100) -> list[CallRecord]:
         """Calls not ended, most recently updated first."""
+        ...
+
+    async def list_ended(
+        self, limit: int = 100, before: datetime | None = None
+    ) -> list[CallRecord]:
+        """Ended calls still stored (``ended_ttl``), whichever instance ended them: newest
+        ``ended_at`` first, only those that ended strictly before ``before`` (the previous
+        page's last ``ended_at``: the next page). An empty page is the end of the list."""
         ...
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...

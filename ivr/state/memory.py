@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime
 
 from ivr.state.base import (
     DEFAULT_ENDED_TTL,
@@ -37,7 +38,8 @@ class MemoryCallStore:
         self.active_ttl = active_ttl
         self._calls: dict[str, str] = {}
         self._expires: dict[str, float] = {}  # call_sid -> monotonic deadline
-        self._ended: set[str] = set()  # calls whose deadline counts from their end
+        self._ended: dict[str, float] = {}  # calls whose deadline counts from their end:
+        # their ended_at (epoch seconds), the ended index
         self._creates = 0
         self._tokens: dict[str, tuple[str, float]] = {}
         self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
@@ -87,11 +89,11 @@ class MemoryCallStore:
             return
         elapsed = (record.updated_at - record.ended_at).total_seconds()
         self._expires[sid] = time.monotonic() + max(0.0, self.ended_ttl - elapsed)
-        self._ended.add(sid)
+        self._ended[sid] = record.ended_at.timestamp()
 
     def _forget_deadline(self, call_sid: str) -> None:
         self._expires.pop(call_sid, None)
-        self._ended.discard(call_sid)
+        self._ended.pop(call_sid, None)
 
     def _forget(self, call_sid: str) -> None:
         self._calls.pop(call_sid, None)
@@ -111,6 +113,23 @@ class MemoryCallStore:
         active = [r for r in records if r is not None and r.ended_at is None]
         active.sort(key=lambda r: r.updated_at, reverse=True)
         return active[:limit]
+
+    async def list_ended(
+        self, limit: int = 100, before: datetime | None = None
+    ) -> list[CallRecord]:
+        top = float("inf") if before is None else before.timestamp()
+        async with self._lock:
+            newest = sorted(
+                ((at, sid) for sid, at in self._ended.items() if at < top), reverse=True
+            )
+            records: list[CallRecord] = []
+            for _, sid in newest:
+                if len(records) >= limit:
+                    break
+                record = self._load(sid)  # drops it if expired
+                if record is not None:
+                    records.append(record)
+            return records
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
         now = time.monotonic()

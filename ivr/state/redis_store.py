@@ -6,6 +6,8 @@ configurable prefix:
                            In a cluster the sid is a hash tag, {prefix}call:{<sid>}, so every
                            key a call may ever have lands in its slot.
     {prefix}active         sorted set of live call sids, scored by updated_at (epoch seconds)
+    {prefix}ended          sorted set of ended call sids, scored by ended_at (epoch seconds);
+                           what is older than ended_ttl is trimmed on every end and every read
     {prefix}token:<token>  call_sid a webhook-minted stream token belongs to; PX = token ttl
     {prefix}flow:<version> JSON {relative path: text} of the files a flow version was loaded
                            from, so any instance can run calls pinned to it; PX = given ttl
@@ -18,7 +20,12 @@ whole read-modify-write, which under 1000 calls means more waiting on the pool. 
 A cluster cannot run a script over two slots, so there the script touches the call's key only
 and the active set is updated by a separate command after it; the set is an index that
 list_active() cross-checks against the records, so a crash between the two costs at most a
-stale or missing listing until the call's next write.
+stale or missing listing until the call's next write. The ended index is kept the same way:
+in the script on one server (a call is listed as ended in the same atomic step that ends it),
+by a separate command after it in a cluster. There a failed index write does not fail the end
+(the record is ended either way): it is counted (``unindexed_ends``) and logged
+(``redis_ended_index_failed``), and the call is missing from the ended list, still readable by
+its sid, until its record is written again or expires.
 
 Sentinel and Cluster ride over a failover: a command that fails to connect is sent again with
 backoff for ``failover_timeout`` seconds (the new master needs a few; redis-py's own retries
@@ -130,21 +137,30 @@ class _Lua:
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
 
-# ARGV: json, ttl ms, live ('1'/'0'), score, sid, resend ('1'/'0'). Returns 0 if another
-# record has the sid. KEYS[2] (the active set) is left out in a cluster. On a resend (the first
+# ARGV: json, ttl ms, live ('1'/'0'), score (updated_at if live, else ended_at), sid, ended
+# index cutoff (epoch s), resend ('1'/'0'). Returns 0 if another record has the sid. KEYS[2]
+# and KEYS[3] (the active and ended sets) are left out in a cluster. On a resend (the first
 # send may have landed, its reply lost) the very JSON already stored means it did land.
 _CREATE = _Lua("""
 local cur = redis.call('GET', KEYS[1])
 if cur then
-  if ARGV[6] == '1' and cur == ARGV[1] then return 1 end
+  if ARGV[7] == '1' and cur == ARGV[1] then return 1 end
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if #KEYS > 1 and ARGV[3] == '1' then redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5]) end
+if #KEYS > 1 then
+  if ARGV[3] == '1' then
+    redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
+  else
+    redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[6])
+  end
+end
 return 1
 """)
 
-# ARGV: expected version, new json, ttl ms, live ('1'/'0'), score, sid, resend ('1'/'0').
+# ARGV: expected version, new json, ttl ms, live ('1'/'0'), score (updated_at if live, else
+# ended_at), sid, ended index cutoff (epoch s), resend ('1'/'0').
 # Returns -1 missing, 0 version conflict, 1 written, 2 this exact write is already stored (a
 # resend after a lost reply must not apply the mutation twice). Only a resend may take the
 # same JSON as its own: two writers can produce identical records (same base, same mutation,
@@ -152,7 +168,7 @@ return 1
 _UPDATE = _Lua("""
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
-if ARGV[7] == '1' and cur == ARGV[2] then return 2 end
+if ARGV[8] == '1' and cur == ARGV[2] then return 2 end
 if cjson.decode(cur)['version'] ~= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 if #KEYS > 1 then
@@ -160,6 +176,8 @@ if #KEYS > 1 then
     redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
   else
     redis.call('ZREM', KEYS[2], ARGV[6])
+    redis.call('ZADD', KEYS[3], ARGV[5], ARGV[6])
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[7])
   end
 end
 return 1
@@ -267,9 +285,11 @@ class RedisCallStore:
         # gives it the blocking pool's semantics (each command holds one connection per node).
         self._gate = asyncio.Semaphore(max_connections) if self.cluster else None
         self._active_key = f"{prefix}active"
+        self._ended_key = f"{prefix}ended"
         self._unreplicated_until: dict[str, float] = {}
         self.resent_commands = 0  # sent again after a connection failure (restart, failover)
         self.unreplicated_writes = 0  # writes no replica confirmed within wait_timeout_ms
+        self.unindexed_ends = 0  # cluster: ended calls whose ended-index write failed
 
     def call_key(self, call_sid: str) -> str:
         if self.cluster:
@@ -295,11 +315,11 @@ class RedisCallStore:
         stored, raw = prepare_new(record)
         sid, live = stored.call_sid, stored.ended_at is None
         args: list[Any] = [raw, self._ttl_ms(stored), "1" if live else "0"]
-        args += [_score(stored.updated_at), sid]
+        args += [self._index_score(stored), sid, self._ended_cutoff()]
         created = await self._run("create", sid, self._resendable(_CREATE, sid, args, fresh=True))
         if not created:
             raise CallExists(sid)
-        await self._index(sid, live, stored.updated_at)
+        await self._index(stored)
         return stored
 
     async def get(self, call_sid: str) -> CallRecord | None:
@@ -318,7 +338,7 @@ class RedisCallStore:
             if outcome == -1:
                 raise CallNotFound(call_sid)
             if outcome > 0:
-                await self._index(call_sid, stored.ended_at is None, stored.updated_at)
+                await self._index(stored)
                 return stored
             # Lost the race: back off a little (jittered) so the writers interleave.
             await asyncio.sleep(random.uniform(0, 0.001 * min(attempt + 1, 20)))
@@ -331,7 +351,7 @@ class RedisCallStore:
         sent before, so the same JSON in Redis is someone else's write, not ours."""
         sid, live = stored.call_sid, stored.ended_at is None
         args: list[Any] = [expected, raw, self._ttl_ms(stored), "1" if live else "0"]
-        args += [_score(stored.updated_at), sid]
+        args += [self._index_score(stored), sid, self._ended_cutoff()]
         return int(await self._run("update", sid, self._resendable(_UPDATE, sid, args, fresh)))
 
     async def end(self, call_sid: str, status: CallStatus = CallStatus.ENDED) -> None:
@@ -356,6 +376,30 @@ class RedisCallStore:
             return [], []
         keys = [self.call_key(s) for s in sids]
         if isinstance(self._redis, RedisCluster):  # the records sit in many slots
+            return sids, await self._redis.mget_nonatomic(keys)
+        return sids, await self._redis.mget(keys)
+
+    async def list_ended(
+        self, limit: int = 100, before: datetime | None = None
+    ) -> list[CallRecord]:
+        if limit <= 0:
+            return []
+        top = "+inf" if before is None else f"({_score(before)!r}"
+        read = await self._run("list_ended", "", lambda: self._ended_records(limit, top))
+        records = []
+        for sid, raw in zip(*read, strict=True):
+            if raw is not None:
+                records.append(CallRecord.from_json(raw, self.call_key(sid)))
+        return [r for r in records if r.ended_at is not None]
+
+    async def _ended_records(self, limit: int, top: str) -> tuple[list[str], Sequence[Any]]:
+        await self._redis.zremrangebyscore(self._ended_key, "-inf", self._ended_cutoff())
+        found = await self._redis.zrevrangebyscore(self._ended_key, top, "-inf", 0, limit)
+        sids = [_text(s) for s in found]
+        if not sids:
+            return [], []
+        keys = [self.call_key(s) for s in sids]
+        if isinstance(self._redis, RedisCluster):
             return sids, await self._redis.mget_nonatomic(keys)
         return sids, await self._redis.mget(keys)
 
@@ -409,7 +453,7 @@ class RedisCallStore:
         second attempt on (or from the first, unless ``fresh``)."""
         keys = [self.call_key(call_sid)]
         if not self.cluster:
-            keys.append(self._active_key)
+            keys += [self._active_key, self._ended_key]
         sent = not fresh
 
         async def attempt() -> Any:
@@ -419,15 +463,34 @@ class RedisCallStore:
 
         return attempt
 
-    async def _index(self, call_sid: str, live: bool, when: datetime) -> None:
-        """A cluster's active set, kept after the record's script (they are in two slots)."""
+    def _index_score(self, record: CallRecord) -> float:
+        """Where the record sits in its index: the active set by updated_at, the ended one by
+        ended_at (constant: re-writing an ended call does not move it)."""
+        return _score(record.ended_at or record.updated_at)
+
+    def _ended_cutoff(self) -> float:
+        """Ended calls older than this have expired: the ended index drops them."""
+        return time.time() - self.ended_ttl
+
+    async def _index(self, record: CallRecord) -> None:
+        """A cluster's indexes, kept after the record's script (they are in other slots)."""
         if not self.cluster:
             return
-        if live:
-            index = {call_sid: _score(when)}
-            await self._run("index", call_sid, lambda: self._redis.zadd(self._active_key, index))
-        else:
-            await self._run("index", call_sid, lambda: self._redis.zrem(self._active_key, call_sid))
+        sid = record.call_sid
+        if record.ended_at is None:
+            index = {sid: self._index_score(record)}
+            await self._run("index", sid, lambda: self._redis.zadd(self._active_key, index))
+            return
+        await self._run("index", sid, lambda: self._redis.zrem(self._active_key, sid))
+        try:
+            await self._run("index_ended", sid, lambda: self._index_ended(record))
+        except StoreUnavailable as exc:  # the call is ended; only its listing is missing
+            self.unindexed_ends += 1
+            log.warning("redis_ended_index_failed", call_sid=sid, error=str(exc))
+
+    async def _index_ended(self, record: CallRecord) -> None:
+        await self._redis.zadd(self._ended_key, {record.call_sid: self._index_score(record)})
+        await self._redis.zremrangebyscore(self._ended_key, "-inf", self._ended_cutoff())
 
     async def _eval(self, script: _Lua, keys: list[str], args: list[Any]) -> Any:
         try:

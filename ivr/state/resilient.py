@@ -13,6 +13,12 @@ a Redis that is slow, paused or black-holed costs a call at most that long once,
 is degraded and the call goes on from memory. A write cut off by the budget may still land; its
 write-back finds the primary already holding our record (same content) and is not a conflict.
 
+Ended calls: the primary's ended index is listed while it answers. While it does not, the list
+holds what this instance knows: the calls it ended during the outage and the last
+``max_recent_ended`` it saw end before (other instances' ends are missing until the primary is
+back). The outage's ends reach the primary's index with their write-back (the same write lists
+them), so nothing is missing from it afterwards.
+
 Stream tokens: while the primary answers, its GETDEL decides single use for every instance
 (a token it says was spent is refused even if this instance minted it). While it does not, a
 token whose signature the caller checked (``claim_stream_token``) is admitted once per instance,
@@ -57,6 +63,7 @@ _Stamp = tuple[int, datetime]
 MAX_LOCAL_FLOWS = 256  # flow versions whose sources are kept here (a few KB to MB each)
 DEFAULT_BUDGET = 0.15  # seconds a call may wait on the primary for one operation
 _SWEEP_AT = 1024  # token maps are swept of expired entries past this size
+MAX_RECENT_ENDED = 100  # ended records kept here for the ended list while the primary is away
 
 
 class _Token(NamedTuple):
@@ -103,6 +110,7 @@ class ResilientCallStore:
         max_backoff: float = 5.0,
         close_timeout: float = 2.0,
         budget: float = DEFAULT_BUDGET,
+        max_recent_ended: int = MAX_RECENT_ENDED,
     ) -> None:
         if budget <= 0:
             raise ValueError(f"store budget must be > 0 seconds, got {budget}")
@@ -122,6 +130,8 @@ class ResilientCallStore:
         self.dropped = 0
         self.over_budget = 0
         self._local: OrderedDict[str, CallRecord] = OrderedDict()
+        self.max_recent_ended = max_recent_ended
+        self._recent_ended: OrderedDict[str, CallRecord] = OrderedDict()
         # What the primary last held for each call, None: never stored there. Version plus
         # updated_at, since a Redis restarted empty hands out the same version numbers again.
         self._synced: dict[str, _Stamp | None] = {}
@@ -246,6 +256,24 @@ class ResilientCallStore:
         live.sort(key=lambda r: r.updated_at, reverse=True)
         return [clone(r) for r in live[:limit]]
 
+    async def list_ended(
+        self, limit: int = 100, before: datetime | None = None
+    ) -> list[CallRecord]:
+        if not self.degraded:
+            try:
+                return await self.primary.list_ended(limit, before)  # no budget: not a call's
+            except StoreUnavailable as exc:
+                self._degrade("list_ended", exc)
+        known = dict(self._recent_ended)
+        known.update((sid, r) for sid, r in self._local.items() if r.ended_at is not None)
+        ended = [
+            r
+            for r in known.values()
+            if r.ended_at is not None and (before is None or r.ended_at < before)
+        ]
+        ended.sort(key=lambda r: r.ended_at or r.updated_at, reverse=True)
+        return [clone(r) for r in ended[:limit]]
+
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
         self._sweep_tokens()
         in_primary = False
@@ -340,6 +368,8 @@ class ResilientCallStore:
 
     def _remember(self, record: CallRecord, *, synced: bool, force: bool = False) -> None:
         sid = record.call_sid
+        if record.ended_at is not None:
+            self._note_ended(record)
         if record.ended_at is not None or not (force or self._carries(record)):
             self._forget(sid)
             return
@@ -351,6 +381,15 @@ class ResilientCallStore:
             if oldest is None:
                 break
             self._forget(oldest)
+
+    def _note_ended(self, record: CallRecord) -> None:
+        """Keep a copy for the ended list while the primary is away (newest only)."""
+        if self.max_recent_ended <= 0:
+            return
+        self._recent_ended[record.call_sid] = clone(record)
+        self._recent_ended.move_to_end(record.call_sid)
+        while len(self._recent_ended) > self.max_recent_ended:
+            self._recent_ended.popitem(last=False)
 
     def _forget(self, call_sid: str) -> None:
         self._local.pop(call_sid, None)

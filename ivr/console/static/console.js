@@ -168,6 +168,50 @@ function renderCall(call) {
   $("events").replaceChildren(...call.events.map(eventLine));
   renderWaterfall(call.waterfall);
   renderTotals(call.totals);
+  renderRecording(call);
+}
+
+// -- the recording player ----------------------------------------------------------------
+// An <audio src> cannot send the bearer token, so each part is fetched with it and played
+// from a blob: URL (freed when another call is shown).
+
+const recording = { key: "", urls: [] };
+
+function renderRecording(call) {
+  const count = call.recordings || 0;
+  const key = `${call.call_sid}:${count}`;
+  if (key === recording.key) return;
+  recording.key = key;
+  for (const url of recording.urls) URL.revokeObjectURL(url);
+  recording.urls = [];
+  $("recording").hidden = count === 0;
+  $("recording-error").textContent = "";
+  $("recording-parts").replaceChildren(...Array.from({ length: count }, (_, part) => {
+    const audio = document.createElement("audio");
+    audio.controls = true;
+    audio.preload = "metadata";
+    audio.dataset.part = String(part);
+    loadRecording(call.call_sid, part, audio, key);
+    return audio;
+  }));
+}
+
+async function loadRecording(sid, part, audio, key) {
+  const path = `/console/api/calls/${encodeURIComponent(sid)}/recording?part=${part}`;
+  try {
+    const response = await fetch(path, {
+      headers: { Authorization: `Bearer ${state.token}` }, cache: "no-store",
+    });
+    if (response.status === 401) { signOut("The token was refused."); return; }
+    if (!response.ok) throw new Error(`${response.status} ${await response.text()}`);
+    const blob = await response.blob();
+    if (recording.key !== key) return;  // another call is shown by now
+    const url = URL.createObjectURL(blob);
+    recording.urls.push(url);
+    audio.src = url;
+  } catch (err) {
+    if (recording.key === key) $("recording-error").textContent = `Recording ${part + 1}: ${err.message}`;
+  }
 }
 
 function fact(name, value) {
@@ -197,12 +241,16 @@ function eventLine(event) {
   const text = {
     seen: () => `seen at node ${event.to} (${event.status})`,
     node: () => `node ${event.from || "-"} → ${event.to}`,
+    dtmf: () => `⌨ key press ${event.digits} at ${event.node || "-"}`,
+    barge_in: () => `⟂ barge-in at ${event.node || "-"}` + (event.heard ? `: heard "${event.heard}"` : ""),
     status: () => `status ${event.from} → ${event.to}`,
     stream: () => `stream ${event.streams} on ${event.to}`,
     transfer: () => `transfer to ${event.number}`,
     ended: () => `ended: ${event.to}`,
   }[event.kind];
-  return el("li", `${time}  ${text ? text() : event.kind}`);
+  const li = el("li", `${time}  ${text ? text() : event.kind}`);
+  li.className = `event ${event.kind}`;
+  return li;
 }
 
 function renderWaterfall(turns) {
@@ -249,22 +297,35 @@ function renderTotals(totals) {
 
 // -- ended calls -------------------------------------------------------------------------
 
-async function searchEnded(event) {
+// Every instance's ended calls (the store's ended index), newest first, a page at a time.
+const ended = { next: null, shown: 0 };
+
+async function searchEnded(event, more = false) {
   if (event) event.preventDefault();
   if (!state.token) return;
   const params = { q: $("q").value, flow: $("flow").value, outcome: $("outcome").value,
-    date: $("date").value, pii: pii() };
+    date: $("date").value, pii: pii(), before: more ? ended.next : "" };
   let data;
-  try { data = await api(`/console/api/ended${query(params)}`); } catch (err) { return; }
-  $("ended-count").textContent = String(data.matched);
-  $("ended-table").tBodies[0].replaceChildren(...data.calls.map((call) => {
+  try { data = await api(`/console/api/ended${query(params)}`); } catch (err) {
+    $("ended-error").textContent = `Search failed: ${err.message}`;
+    return;
+  }
+  $("ended-error").textContent = "";
+  $("ended-partial").hidden = !data.partial;
+  ended.next = data.next;
+  ended.shown = (more ? ended.shown : 0) + data.calls.length;
+  $("ended-count").textContent = `${ended.shown}${data.next ? "+" : ""}`;
+  $("ended-more").hidden = !data.next;
+  const body = $("ended-table").tBodies[0];
+  const rows = data.calls.map((call) => {
     const when = call.ended_at ? new Date(call.ended_at).toLocaleString() : "";
     const row = cells([when, call.caller, call.flow, call.outcome, duration(call.duration_s),
       String(call.turns)]);
     row.dataset.sid = call.call_sid;
     row.addEventListener("click", () => selectCall(call.call_sid));
     return row;
-  }));
+  });
+  if (more) body.append(...rows); else body.replaceChildren(...rows);
 }
 
 // -- small helpers -----------------------------------------------------------------------
@@ -307,6 +368,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (state.selected) openCall(state.selected);
   });
   $("ended-form").addEventListener("submit", searchEnded);
+  $("ended-more").addEventListener("click", () => searchEnded(null, true));
   $("open-sid").addEventListener("click", () => { if ($("sid").value) selectCall($("sid").value.trim()); });
   setInterval(tickDurations, 1000);
   if (state.token) signIn(state.token).catch(() => signOut());

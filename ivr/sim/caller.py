@@ -43,7 +43,7 @@ from ivr.sim.playout import (
     write_wav,
 )
 from ivr.sim.report import CallReport, StreamReport, TurnReport
-from ivr.sim.rest_api import CallUpdate, FakeTwilioRestApi
+from ivr.sim.rest_api import CallUpdate, ConferenceHost, FakeTwilioRestApi
 from ivr.sim.script import (
     BargeIn,
     Hangup,
@@ -121,6 +121,26 @@ def _noise_frames() -> list[bytes]:
     return [ulaw[i : i + FRAME_BYTES] for i in range(0, len(ulaw), FRAME_BYTES)]
 
 
+@dataclass(frozen=True, slots=True)
+class LineEcho:
+    """The caller's line carries the bot's own voice back (speakerphone, 2-wire hybrid): what
+    played ``delay_s`` ago, ``gain_db`` down, mixed into everything the caller sends."""
+
+    delay_s: float = 0.1
+    gain_db: float = -20.0
+
+    def mix(self, frame: bytes, playout: TwilioPlayout, frame_end: int) -> bytes:
+        """``frame`` (mu-law, ending at sample ``frame_end``) plus the delayed echo."""
+        delay = round(self.delay_s * SAMPLE_RATE)
+        echo = playout.played_audio(frame_end - len(frame) - delay, len(frame))
+        if echo.count(ULAW_SILENCE) == len(echo):
+            return frame
+        near = np.frombuffer(ulaw_decode(frame), dtype="<i2").astype(np.float64)
+        far = np.frombuffer(ulaw_decode(echo), dtype="<i2").astype(np.float64)
+        mixed = np.clip(near + far * 10 ** (self.gain_db / 20), -32768, 32767)
+        return ulaw_encode(mixed.astype("<i2").tobytes())
+
+
 # -- one call, across streams ---------------------------------------------------------------------
 
 
@@ -134,8 +154,9 @@ class _CallerTurn:
 class _Line:
     """State shared by the script runner and whichever stream is connected."""
 
-    def __init__(self, t0: float, comfort_noise: bool) -> None:
+    def __init__(self, t0: float, comfort_noise: bool, echo: LineEcho | None = None) -> None:
         self.t0 = t0
+        self.echo = echo
         self.mic = _Mic(comfort_noise)
         self.playouts: list[TwilioPlayout] = []
         self.caller_track: list[Segment] = []
@@ -146,6 +167,8 @@ class _Line:
         self.first_stream_t: float | None = None
         self.rest_updates: list[CallUpdate] = []
         self.redirected = asyncio.Event()
+        self.conference: ConferenceHost | None = None
+        """Twilio's conference rooms, when the REST stand-in has them (a warm transfer)."""
 
     def on_rest_update(self, update: CallUpdate) -> None:
         self.rest_updates.append(update)
@@ -281,6 +304,9 @@ class _Session:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 frame, speech = self.line.mic.take()
+                if self.line.echo is not None:  # by the frame clock: an echo has no gaps
+                    end = round((origin + chunk * _FRAME_S - self.line.t0) * SAMPLE_RATE)
+                    frame = self.line.echo.mix(frame, self.playout, end)
                 media = {
                     "track": "inbound",
                     "chunk": str(chunk),
@@ -357,6 +383,23 @@ async def _press(line: _Line, step: Press) -> float:
 # -- the call -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class OutboundAnswer:
+    """A call the gateway placed through the REST API, answered: what Twilio then requests."""
+
+    call_sid: str
+    url: str
+    """The call's ``Url``: the TwiML for the answered call."""
+    method: str = "POST"
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstRequest:
+    url: str
+    status: str
+    method: str = "POST"
+
+
 async def place_call(
     http_base: str,
     *,
@@ -372,27 +415,38 @@ async def place_call(
     comfort_noise: bool = False,
     open_timeout: float = 10.0,
     rest_api: FakeTwilioRestApi | None = None,
+    echo: LineEcho | None = None,
+    outbound: OutboundAnswer | None = None,
 ) -> CallReport:
     """Place one inbound call at the gateway and run ``script`` on it, in real time.
 
     With ``rest_api`` the call belongs to its account and can be updated through it (a REST
-    redirect ends the stream with ``stop`` and its TwiML takes over, as on Twilio).
+    redirect ends the stream with ``stop`` and its TwiML takes over, as on Twilio). With
+    ``echo`` the line feeds the bot's own audio back, delayed and attenuated. With
+    ``outbound`` this is the callee of a call the gateway placed: Twilio asks the call's
+    ``Url`` (not the voice webhook) once the callee has picked up, and ``script`` is the callee.
     """
     if not isinstance(script, Script):
         script = script_from_data(list(script), source="<script>")
     steps = await render_script(script, synthesize)
     account_sid = rest_api.account_sid if rest_api else "AC" + secrets.token_hex(16)
-    ids = CallIds("CA" + secrets.token_hex(16), account_sid, from_, to)
+    if outbound is None:
+        ids = CallIds("CA" + secrets.token_hex(16), account_sid, from_, to)
+        first = _FirstRequest("/twilio/voice", "ringing")
+    else:
+        ids = CallIds(outbound.call_sid, account_sid, from_, to, "outbound-api")
+        first = _FirstRequest(outbound.url, "in-progress", outbound.method)
     ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
     report = CallReport(ids.call_sid, ids.account_sid)
-    line = _Line(time.monotonic(), comfort_noise)
+    line = _Line(time.monotonic(), comfort_noise, echo)
     if rest_api is not None:
         rest_api.add_call(ids.call_sid, from_=from_, to=to, control=line.on_rest_update)
+        line.conference = rest_api.conference_host
     async with httpx.AsyncClient(timeout=10.0) as http:
         tw = TwilioSide(http, http_base, public_base_url or http_base, auth_token, ids)
         runner = asyncio.create_task(_run_script(line, steps, script))
         try:
-            await _drive(line, tw, ws_base, report, open_timeout)
+            await _drive(line, tw, ws_base, report, open_timeout, first)
         except CallFailed as e:
             report.errors.append(str(e))
         finally:
@@ -406,14 +460,23 @@ async def place_call(
 
 
 async def _drive(
-    line: _Line, tw: TwilioSide, ws_base: str, report: CallReport, open_timeout: float
+    line: _Line,
+    tw: TwilioSide,
+    ws_base: str,
+    report: CallReport,
+    open_timeout: float,
+    first: _FirstRequest,
 ) -> None:
-    twiml = await tw.request("/twilio/voice", tw.params("ringing"))
+    twiml = await tw.request(first.url, tw.params(first.status), first.method)
     closed_at: float | None = None
     while True:
         report.twiml.append(twiml)
         stream = parse_stream(twiml)
         if stream is None:
+            back = await _hold_in_conference(line, tw, twiml)
+            if back is not None:  # taken off a conference's hold by a REST redirect
+                twiml = back
+                continue
             report.closing_twiml = twiml
             return
         if line.hangup.is_set():
@@ -433,6 +496,15 @@ async def _drive(
         if stream.action is None:
             return  # no action: the call goes on to the next verb, of which there is none
         twiml = await tw.request(stream.action, tw.params("in-progress"), stream.method)
+
+
+async def _hold_in_conference(line: _Line, tw: TwilioSide, twiml: str) -> str | None:
+    """Wait in the ``<Dial><Conference>`` of ``twiml`` (if the stand-in hosts rooms) until a
+    REST redirect takes the call elsewhere: its TwiML. None: the call ended there."""
+    if line.conference is None or "<Conference" not in twiml:
+        return None
+    how = await line.conference.hold(tw.ids.call_sid, twiml, line.redirected, line.hangup)
+    return await _after_rest_update(line, tw) if how == "rest" else None
 
 
 async def _after_rest_update(line: _Line, tw: TwilioSide) -> str | None:
@@ -515,6 +587,7 @@ async def _finish(
     report.violations.sort(key=lambda v: v.t)
     n = round(report.duration_s * SAMPLE_RATE)
     bot = [s for p in line.playouts for s in p.segments]
+    report.bot_audio_s = sum(len(s.audio) for s in bot) / SAMPLE_RATE
     report.turns = _turns(line, bot, end)
     if record_path is not None:
         caller = ulaw_decode(render_track(line.caller_track, n))
@@ -570,4 +643,4 @@ async def _transcribe(
 # -- command line ---------------------------------------------------------------------------------
 
 
-__all__ = ["CallReport", "StreamReport", "Transcriber", "TurnReport", "place_call"]
+__all__ = ["CallReport", "LineEcho", "StreamReport", "Transcriber", "TurnReport", "place_call"]

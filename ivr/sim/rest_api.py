@@ -15,11 +15,12 @@ import binascii
 import secrets
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 import uvicorn
 from starlette.applications import Starlette
@@ -27,8 +28,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ivr.telephony.dialing import E164
+
 API_VERSION = "2010-04-01"
 CALL_PATH = "/2010-04-01/Accounts/{account_sid}/Calls/{call_sid}.json"
+CALLS_PATH = "/2010-04-01/Accounts/{account_sid}/Calls.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,42 @@ CallControl = Callable[[CallUpdate], None]
 """How the simulated call applies an update (must not block: it only signals the call)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CallCreate:
+    """One accepted ``POST .../Calls.json``: an outbound call, as its callee will see it."""
+
+    t: float
+    call_sid: str
+    to: str
+    from_: str
+    url: str
+    method: str = "POST"
+    machine_detection: str = ""
+    async_amd: bool = False
+    amd_callback: str = ""
+    """``AsyncAmdStatusCallback``: where Twilio POSTs ``AnsweredBy``."""
+    twiml: str = ""
+    """``Twiml``: what the call runs when answered, instead of requesting ``url``."""
+    timeout: int = 60
+    status_callback: str = ""
+    status_callback_events: tuple[str, ...] = ("completed",)
+    """``StatusCallbackEvent`` (repeated): initiated, ringing, answered, completed."""
+
+
+class ConferenceHost(Protocol):
+    """Twilio's ``<Dial><Conference>`` for a simulated caller (``ivr.sim.conference``)."""
+
+    async def hold(
+        self, call_sid: str, twiml: str, redirected: asyncio.Event, hangup: asyncio.Event
+    ) -> Literal["rest", "caller", "ended"]:
+        """In the room until redirected over REST, hung up, or the room ended."""
+        ...
+
+
+Answerer = Callable[[CallCreate], Coroutine[Any, Any, None]]
+"""Picks up a created call (``ivr.sim.callee``): runs as a task of the stand-in."""
+
+
 @dataclass(slots=True)
 class _Call:
     sid: str
@@ -67,6 +107,7 @@ class _Call:
     to: str
     control: CallControl | None
     status: str = "in-progress"
+    direction: str = "inbound"
     created: float = field(default_factory=time.time)
 
 
@@ -74,13 +115,24 @@ class FakeTwilioRestApi:
     """``async with FakeTwilioRestApi(sid, token) as api:`` serves at ``api.url``."""
 
     def __init__(
-        self, account_sid: str | None = None, auth_token: str | None = None, host: str = "127.0.0.1"
+        self,
+        account_sid: str | None = None,
+        auth_token: str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        answer: Answerer | None = None,
     ) -> None:
+        """``answer`` picks up the calls created here (none: they ring unanswered)."""
         self.account_sid = account_sid or "AC" + secrets.token_hex(16)
         self.auth_token = auth_token or secrets.token_hex(16)
         self.host = host
         self.requests: list[RestRequest] = []
         self.updates: list[CallUpdate] = []
+        self.creates: list[CallCreate] = []
+        self._pick_up = answer
+        self.conference_host: ConferenceHost | None = None
+        """Set by ``ivr.sim.conference.ConferenceDesk``: callers enter its rooms."""
+        self._ringing: set[asyncio.Task[None]] = set()
         self._calls: dict[str, _Call] = {}
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -90,10 +142,16 @@ class FakeTwilioRestApi:
     def url(self) -> str:
         return f"http://{self.host}:{self._port}"
 
+    def answer_with(self, answer: Answerer) -> None:
+        """Pick up the calls created from now on with ``answer``."""
+        self._pick_up = answer
+
     # -- calls the simulated caller places ------------------------------------------------
 
     def add_call(self, call_sid: str, *, from_: str, to: str, control: CallControl) -> None:
-        self._calls[call_sid] = _Call(call_sid, from_, to, control)
+        known = self._calls.get(call_sid)  # an outbound call created here, now answered
+        direction = known.direction if known is not None else "inbound"
+        self._calls[call_sid] = _Call(call_sid, from_, to, control, direction=direction)
 
     def end_call(self, call_sid: str) -> None:
         """The call is over; like Twilio, it stays known (updates now get 21220)."""
@@ -104,7 +162,12 @@ class FakeTwilioRestApi:
     # -- server lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        app = Starlette(routes=[Route(CALL_PATH, self._update, methods=["POST"])])
+        app = Starlette(
+            routes=[
+                Route(CALL_PATH, self._update, methods=["POST"]),
+                Route(CALLS_PATH, self._create, methods=["POST"]),
+            ]
+        )
         config = uvicorn.Config(app, host=self.host, port=0, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(), name="fake-twilio-rest")
@@ -116,6 +179,9 @@ class FakeTwilioRestApi:
         self._port = self._server.servers[0].sockets[0].getsockname()[1]
 
     async def aclose(self) -> None:
+        for ringing in self._ringing:
+            ringing.cancel()
+        await asyncio.gather(*self._ringing, return_exceptions=True)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
@@ -173,6 +239,53 @@ class FakeTwilioRestApi:
             call.status, call.control = "completed", None
         return JSONResponse(self._call_json(call))
 
+    # -- outbound calls: Calls.json create ------------------------------------------------
+
+    async def _create(self, request: Request) -> JSONResponse:
+        t = time.monotonic()
+        raw = await request.form()
+        form = {k: str(v) for k, v in raw.items()}
+        if "StatusCallbackEvent" in raw:  # repeated, one value per event
+            events = raw.getlist("StatusCallbackEvent")
+            form["StatusCallbackEvent"] = " ".join(str(v) for v in events)
+        response = self._answer_create(request, form, t)
+        self.requests.append(
+            RestRequest(t, request.method, request.url.path, form, response.status_code)
+        )
+        return response
+
+    def _answer_create(self, request: Request, form: dict[str, str], t: float) -> JSONResponse:
+        if not self._authorised(request.headers.get("authorization", "")):
+            return _error(401, 20003, "Authenticate", "Your AccountSid or AuthToken was incorrect.")
+        if request.path_params["account_sid"] != self.account_sid:
+            return _error(404, 20404, f"The requested resource {request.url.path} was not found")
+        problem = _check_create(form)
+        if problem is not None:
+            return _error(400, *problem)
+        create = CallCreate(
+            t,
+            "CA" + secrets.token_hex(16),
+            to=form["To"],
+            from_=form["From"],
+            url=form.get("Url", ""),
+            method=form.get("Method", "POST").upper(),
+            machine_detection=form.get("MachineDetection", ""),
+            async_amd=form.get("AsyncAmd", "false") == "true",
+            amd_callback=form.get("AsyncAmdStatusCallback", ""),
+            twiml=form.get("Twiml", ""),
+            timeout=int(form.get("Timeout", "60")),
+            status_callback=form.get("StatusCallback", ""),
+            status_callback_events=tuple(form.get("StatusCallbackEvent", "completed").split()),
+        )
+        self.creates.append(create)
+        call = _Call(create.call_sid, create.from_, create.to, None, "queued", "outbound-api")
+        self._calls[call.sid] = call
+        if self._pick_up is not None:  # ring the callee once this answer is on its way
+            ringing = asyncio.create_task(self._pick_up(create), name=f"ring-{call.sid}")
+            self._ringing.add(ringing)
+            ringing.add_done_callback(self._ringing.discard)
+        return JSONResponse(self._call_json(call), status_code=201)
+
     def _authorised(self, header: str) -> bool:
         scheme, _, encoded = header.partition(" ")
         if scheme.lower() != "basic":
@@ -191,7 +304,7 @@ class FakeTwilioRestApi:
             "account_sid": self.account_sid,
             "api_version": API_VERSION,
             "status": call.status,
-            "direction": "inbound",
+            "direction": call.direction,
             "from": call.from_,
             "from_formatted": call.from_,
             "to": call.to,
@@ -225,6 +338,56 @@ class FakeTwilioRestApi:
                 "user_defined_messages": f"{uri}/UserDefinedMessages.json",
             },
         }
+
+
+def _check_create(form: dict[str, str]) -> tuple[int | None, str] | None:
+    """Twilio's error (code, message) for a create request, or None when it is acceptable.
+    Only ``Url`` is modelled for the call's instructions (not ``Twiml``/``ApplicationSid``)."""
+    to, from_ = form.get("To", ""), form.get("From", "")
+    if not to:
+        return 21201, "No 'To' number is specified"
+    if not from_:
+        return 21603, "A 'From' phone number is required."
+    if not E164.fullmatch(to):
+        return 21211, f"Invalid 'To' Phone Number: {to}"
+    if not E164.fullmatch(from_):
+        return 21212, f"Invalid 'From' Phone Number: {from_}"
+    url, twiml = form.get("Url", ""), form.get("Twiml", "")
+    if twiml:
+        return _check_create_twiml(form)
+    if not url:
+        return 21205, "Url parameter is required."
+    if urlsplit(url).scheme not in ("http", "https"):
+        return 21205, f"Url is not a valid URL: {url}"
+    if form.get("Method", "POST").upper() not in ("GET", "POST"):
+        return None, "Method must be GET or POST"
+    detection = form.get("MachineDetection")
+    if detection is not None and detection not in ("Enable", "DetectMessageEnd"):
+        return None, f"MachineDetection must be Enable or DetectMessageEnd, got {detection!r}"
+    if form.get("AsyncAmd", "false") not in ("true", "false"):
+        return None, "AsyncAmd must be true or false"
+    return None
+
+
+def _check_create_twiml(form: dict[str, str]) -> tuple[int | None, str] | None:
+    """A create that runs ``Twiml`` (a warm transfer's agent leg): its TwiML, ring timeout and
+    progress events."""
+    if form.get("Url"):
+        return None, "Twiml and Url are mutually exclusive"
+    try:
+        root = ET.fromstring(form["Twiml"])
+    except ET.ParseError as exc:
+        return 12100, f"Twiml is not valid XML: {exc}"
+    if root.tag != "Response":
+        return 12100, f"Twiml root must be <Response>, got <{root.tag}>"
+    timeout = form.get("Timeout", "60")
+    if not timeout.isdigit() or not 5 <= int(timeout) <= 600:
+        return None, f"Timeout must be an integer from 5 to 600, got {timeout!r}"
+    events = form.get("StatusCallbackEvent", "").split()
+    unknown = [e for e in events if e not in ("initiated", "ringing", "answered", "completed")]
+    if unknown:
+        return None, f"StatusCallbackEvent has unknown values {unknown}"
+    return None
 
 
 def _check_form(form: dict[str, str]) -> str:

@@ -17,6 +17,8 @@ class CallIds:
     account_sid: str
     from_: str
     to: str
+    direction: str = "inbound"
+    """``outbound-api`` for a call placed through the REST API."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,7 @@ class TwilioSide:
             "CallStatus": status,
             "Called": i.to,
             "Caller": i.from_,
-            "Direction": "inbound",
+            "Direction": i.direction,
             "From": i.from_,
             "To": i.to,
         }

@@ -1,0 +1,1 @@
+"""Outbound calls: dial (POST /calls, `ivr dial`), campaigns from CSV, answering machines."""

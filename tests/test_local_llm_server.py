@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from ivr.engines.llm_server import LocalLlmError, LocalLlmServer, available
 
@@ -146,4 +147,60 @@ async def test_a_client_that_hangs_up_mid_stream_does_not_block_the_next_request
         max_tokens=8,
         timeout=20,
     )
+    assert reply.choices[0].message.content
+
+
+async def _prompt_and_cached_tokens(
+    server: LocalLlmServer, client: AsyncOpenAI, messages: list[ChatCompletionMessageParam]
+) -> tuple[int, int]:
+    reply = await client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=4, temperature=0.0, timeout=20
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens or 0
+
+
+async def test_a_request_sharing_the_previous_prompt_evaluates_only_what_is_new(
+    server: LocalLlmServer, client: AsyncOpenAI
+) -> None:
+    system: ChatCompletionMessageParam = {
+        "role": "system",
+        "content": SYSTEM + " The branch opens at nine.",
+    }
+    first: list[ChatCompletionMessageParam] = [
+        system,
+        {"role": "user", "content": "When do you open?"},
+    ]
+    second: list[ChatCompletionMessageParam] = [
+        system,
+        {"role": "user", "content": "Where is the branch?"},
+    ]
+    unrelated: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
+
+    await _prompt_and_cached_tokens(server, client, first)
+    prompt, cached = await _prompt_and_cached_tokens(server, client, second)
+    # The system prompt's tokens were kept from the first request; the question was not.
+    assert 20 < cached < prompt, (cached, prompt)
+    _, cached_unrelated = await _prompt_and_cached_tokens(server, client, unrelated)
+    assert cached_unrelated < 10, cached_unrelated  # at most the chat template's first tokens
+
+
+async def test_a_reply_cut_off_by_the_client_leaves_a_cache_the_next_request_can_use(
+    server: LocalLlmServer, client: AsyncOpenAI
+) -> None:
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Count from one to fifty in words."},
+    ]
+    stream = await client.chat.completions.create(
+        model=server.model, messages=messages, stream=True, max_tokens=100, temperature=0.0
+    )
+    async for _chunk in stream:
+        break
+    await stream.close()
+    reply = await client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=6, temperature=0.0, timeout=20
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
     assert reply.choices[0].message.content

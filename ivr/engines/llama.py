@@ -4,6 +4,10 @@ We call the public llama.h functions directly instead of the package's high-leve
 `Llama` class because that class tokenizes chat prompts without parsing special
 tokens (so `<|im_start|>` reaches the model as plain text) and always allocates an
 embeddings buffer. The chat template comes from the GGUF file itself.
+
+The context keeps the KV cache of the last request: a new prompt that starts with the same
+tokens (the system prompt and knowledge of an agent, the conversation so far) only evaluates
+what is new. On a CPU that is most of the time to first token.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class GenerationStats:
     """Filled in by `stream_chat` as it runs (mutable on purpose: it is an out-parameter)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV cache was kept from the previous request (not evaluated again)."""
     completion_tokens: int = 0
     finish_reason: str = "stop"
 
@@ -86,6 +92,9 @@ class LlamaEngine:
         self._vocab = self._lib.llama_model_get_vocab(self._model)
         self._n_ctx = n_ctx
         self._n_batch = min(n_ctx, 512)
+        self._memory = self._lib.llama_get_memory(self._ctx)
+        self._evaluated: list[int] = []
+        """The tokens whose KV cache sequence 0 holds, in order."""
         self._template = self._lib.llama_model_chat_template(self._model, self._ffi.NULL)
         if self._template == self._ffi.NULL:
             self.close()
@@ -122,6 +131,12 @@ class LlamaEngine:
             if getattr(self, "_model", None) not in (None, self._ffi.NULL):
                 self._lib.llama_model_free(self._model)
             self._model = None
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text (e.g. ``general.name``, ``general.license``)."""
+        buf = self._ffi.new("char[]", 512)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, 512)
+        return None if n < 0 else str(self._ffi.string(buf).decode("utf-8", "replace"))
 
     def render(self, turns: Sequence[ChatTurn]) -> str:
         """Apply the GGUF's chat template and add the assistant prefix."""
@@ -185,12 +200,12 @@ class LlamaEngine:
         cancel: threading.Event,
         stats: GenerationStats,
     ) -> Iterator[str]:
-        self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
+        stats.cached_tokens = self._reuse_prefix(prompt)
         sampler = self._sampler(params)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stats.finish_reason = "length"
         try:
-            self._decode(prompt)
+            self._decode(prompt[stats.cached_tokens :])
             for _ in range(params.max_tokens):
                 if cancel.is_set():
                     stats.finish_reason = "cancelled"
@@ -210,13 +225,33 @@ class LlamaEngine:
         finally:
             self._lib.llama_sampler_free(sampler)
 
+    def _reuse_prefix(self, prompt: list[int]) -> int:
+        """Drop the cache after the longest prefix ``prompt`` shares with it; return its length.
+
+        At least the last prompt token is evaluated again: its logits pick the first reply token.
+        """
+        keep = 0
+        limit = min(len(prompt) - 1, len(self._evaluated))
+        while keep < limit and prompt[keep] == self._evaluated[keep]:
+            keep += 1
+        if keep == 0 or not self._lib.llama_memory_seq_rm(self._memory, 0, keep, -1):
+            keep = 0  # some memory kinds cannot drop a tail: start from an empty cache
+            self._lib.llama_memory_clear(self._memory, True)
+        del self._evaluated[keep:]
+        return keep
+
     def _decode(self, tokens: list[int]) -> None:
         for start in range(0, len(tokens), self._n_batch):
-            chunk = self._ffi.new("llama_token[]", tokens[start : start + self._n_batch])
-            batch = self._lib.llama_batch_get_one(chunk, len(chunk))
+            part = tokens[start : start + self._n_batch]
+            chunk = self._ffi.new("llama_token[]", part)
+            batch = self._lib.llama_batch_get_one(chunk, len(part))
             rc = self._lib.llama_decode(self._ctx, batch)
             if rc != 0:
+                # What a failed batch left in the cache is unknown: forget all of it.
+                self._lib.llama_memory_clear(self._memory, True)
+                self._evaluated.clear()
                 raise EngineError(f"llama_decode failed with code {rc}")
+            self._evaluated.extend(part)
 
     def _piece(self, token: int) -> bytes:
         buf = self._ffi.new("char[]", _PIECE_BYTES)

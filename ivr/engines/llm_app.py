@@ -150,11 +150,13 @@ def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> s
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _usage(stats: GenerationStats) -> dict[str, int]:
+def _usage(stats: GenerationStats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        # OpenAI's field for prompt caching: how much of the prompt was not evaluated again.
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
 

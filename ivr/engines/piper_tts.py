@@ -153,9 +153,10 @@ class LocalPiperTts:
         self._in_flight += 1
         try:
             audio = np.asarray(self._voice.phoneme_ids_to_audio(ids), dtype=np.float32)
+            # Counted before the flag drops: whoever sees ``rendering`` false sees the count.
+            self.rendered_pieces += 1
         finally:
             self._in_flight -= 1
-        self.rendered_pieces += 1
         # Same loudness rule as piper's own synthesize(): peak-normalise each chunk.
         peak = float(np.max(np.abs(audio))) if audio.size else 0.0
         if peak < 1e-8:

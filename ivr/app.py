@@ -15,9 +15,12 @@ from ivr import phrases
 from ivr.call.connect import CallParams
 from ivr.call.stream import handle_stream
 from ivr.call.tokens import valid_call_sid
+from ivr.call.warm_routes import warm_transfer_router
+from ivr.call.webhook_auth import signed_form
 from ivr.console import console_router
 from ivr.gateway import Gateway
 from ivr.obs import metrics
+from ivr.outbound.routes import outbound_router
 from ivr.state.admin import admin_router
 from ivr.state.base import CallExists, CallRecord, CallStatus, StoreError, StoreUnavailable
 from ivr.telephony import twilio
@@ -51,9 +54,14 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
     )
     app.include_router(
         console_router(
-            gateway.store, settings.admin_token or None, settings.admin_pii_token or None
+            gateway.store,
+            settings.admin_token or None,
+            settings.admin_pii_token or None,
+            recordings=gateway.services.recordings,
         )
     )
+    app.include_router(outbound_router(gateway))
+    app.include_router(warm_transfer_router(gateway.services))
     app.include_router(_ops_routes(gateway))
     return app
 
@@ -208,19 +216,7 @@ async def _after_stream(
 
 
 async def _signed_form(request: Request, gateway: Gateway) -> dict[str, str] | None:
-    form = {k: str(v) for k, v in (await request.form()).items()}
-    auth = gateway.services.auth
-    if auth.signatures is None:
-        return form if auth.accepts_unsigned else None
-    signature = request.headers.get("x-twilio-signature", "")
-    if auth.signatures.check_webhook(request.url.path, request.url.query, form, signature):
-        return form
-    log.warning(
-        "webhook.bad_signature",
-        url=auth.signatures.webhook_url(request.url.path, request.url.query),
-        hint="IVR_PUBLIC_URL must be exactly the URL configured at Twilio",
-    )
-    return None
+    return await signed_form(request, gateway.services.auth)
 
 
 async def _stream_twiml(gateway: Gateway, call: CallParams) -> Response:

@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     stt_fallback_base_url: str = ""
     stt_fallback_api_key: str = ""
     stt_fallback_model: str = ""
+    # Offline whisper only: words callers are likely to say (business and menu words), given
+    # to the decoder as its initial prompt; it fixes many misheard short answers.
+    stt_prompt: str = ""
 
     tts_provider: Literal["piper", "espeak", "openai"] = "piper"
     tts_base_url: str = "https://api.openai.com/v1"
@@ -108,6 +111,16 @@ class Settings(BaseSettings):
     silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     endpoint_silence_ms: int = Field(300, ge=60, le=5000)
     min_speech_ms: int = Field(100, ge=20, le=5000)
+    # Speculative turns: after this much silence the caller's words so far are transcribed and
+    # the reply requested while the endpoint silence still runs; kept if the turn ends on the
+    # same words, thrown away (requests cancelled) if the caller goes on. 0 = off.
+    speculate_after_ms: int = Field(60, ge=0, le=5000)
+    # End of turn beyond silence: the words at a pause decide first ("my number is" waits, a
+    # yes/no answer ends at once); when they don't, "smart-turn" asks the Smart Turn v3 audio
+    # model (shipped in the pipecat-ai wheel, run off the event loop), which may lengthen the
+    # wait. Off by default: on 8 kHz phone audio it called 3 of 5 finished questions unfinished
+    # (bench/turn_taking.py), adding a second to those turns.
+    turn_model: Literal["smart-turn", "off"] = "off"
     # How far ahead of Twilio's playout clock we may queue audio; bounds the cost of `clear`.
     playout_lead_ms: int = Field(600, ge=100, le=2000)
 
@@ -142,6 +155,24 @@ class Settings(BaseSettings):
     admin_pii_token: str = ""
     instance_id: str = ""
 
+    # Call recording (flows say which calls): to a directory or an S3-compatible bucket.
+    recording_dir: str = ""
+    recording_s3_bucket: str = ""
+    # An S3-compatible server (MinIO, Ceph, R2...); empty: AWS. Credentials: boto3's chain
+    # (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, an instance role).
+    recording_s3_url: str = ""
+    recording_s3_prefix: str = "recordings/"
+    recording_s3_region: str = "us-east-1"
+    recording_format: Literal["flac", "opus"] = "flac"
+    # Recordings older than this are deleted (at start and every hour); 0 = kept forever.
+    recording_retention_days: float = Field(0.0, ge=0)
+    # A call is recorded up to this long (its audio waits in memory, 16 kB/s, until it ends).
+    recording_max_minutes: float = Field(60.0, gt=0, le=240)
+    # Outbound calls (POST /calls, `ivr dial`): the caller ID (a Twilio number, E.164), and
+    # Twilio's async answering machine detection on top of ours ("" = ours only).
+    outbound_from: str = ""
+    twilio_amd: Literal["", "Enable", "DetectMessageEnd"] = ""
+
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     # Personal data in logs: off, `pii_*` values are redacted and phone/card numbers masked.
@@ -157,6 +188,15 @@ class Settings(BaseSettings):
                 f"got {value!r}"
             )
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_recording_sink(self) -> Settings:
+        if self.recording_dir and self.recording_s3_bucket:
+            raise ValueError(
+                "IVR_RECORDING_DIR and IVR_RECORDING_S3_BUCKET are both set: recordings go to "
+                "one place, set only one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _overflow_has_a_number(self) -> Settings:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import structlog
 
 from ivr import phrases
+from ivr.call.answer import ANSWER_TIMEOUT, BEEP_TIMEOUT, AnswerBoard, watching_answer
 from ivr.call.io import CallIO
 from ivr.call.prompts import PromptCache
 from ivr.call.session import CallSession
@@ -30,7 +33,7 @@ from ivr.flows.model import Flow
 from ivr.flows.privacy import stored_state
 from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.registry import FlowRegistry
-from ivr.flows.runner import FlowRunner
+from ivr.flows.runner import FlowRunner, OnStep
 from ivr.flows.sources import load_flow_from_sources
 from ivr.llm.base import LanguageModel
 from ivr.state.base import CallRecord, CallStore, StoreError, StreamSuperseded, fenced
@@ -135,6 +138,8 @@ class FlowConversation:
         self._versions = FlowVersions()
         self._versions.remember(registry.flows)
         self._shared = SharedVersions(store, registry, max(sources_ttl, MIN_SOURCES_TTL))
+        self.answers = AnswerBoard()
+        """Outbound calls being classified here, for Twilio's AMD callback."""
 
     def static_prompts(self) -> list[str]:
         """Every prompt text known before a call starts, worth synthesising in advance."""
@@ -157,6 +162,7 @@ class FlowConversation:
         record, and share that version through the store. Raises LookupError: no flow."""
         flow = self.registry.flow_for_number(record.to_number)
         record.flow_name, record.flow_version = flow.name, flow.version
+        record.record_call = flow.recording.records(asked=record.record_call)
         await self._shared.share(flow)
 
     async def _pinned(self, record: CallRecord) -> Flow:
@@ -171,29 +177,76 @@ class FlowConversation:
     async def run(self, io: CallIO, record: CallRecord) -> None:
         flow = await self._pinned(record)
         saved = FlowState.model_validate(record.flow_state) if record.flow_state else None
+        leg = record.warm_transfer
+        if saved is not None and saved.waiting == "transfer" and leg and leg.status == "failed":
+            # Back from a warm transfer's hold: the flow goes on at the node's fallback.
+            saved = saved.model_copy(update={"transfer_result": leg.result or "failed"})
         if saved is not None and saved.done:
             # Dropped while the goodbye or transfer prompt played: finish what was decided.
             await _leave(io, saved)
             return
         stream_sid = record.stream_sid or ""
+        consent = flow.recording.consent_prompt
+        if saved is None and record.record_call and consent:  # before anything else is said
+            await io.say(consent, interruptible=False)
 
         async def persist(state: FlowState) -> None:
             await _persist(self._store, record.call_sid, stream_sid, flow, state, io)
 
-        runner = FlowRunner(
+        call_vars = {
+            "caller": record.from_number,
+            "called": record.to_number,
+            "call_sid": record.call_sid,
+            "direction": record.direction,
+        }
+        if record.direction == "outbound" and (saved is None or saved.waiting == "start"):
+            await self._run_outbound(io, record, flow, persist, call_vars)
+            return
+        await self._runner(flow, io, persist, call_vars).run(saved)
+
+    def _runner(
+        self,
+        flow: Flow,
+        io: CallIO,
+        persist: OnStep,
+        call_vars: dict[str, Any],
+        wait_for_beep: Callable[[], Awaitable[None]] | None = None,
+    ) -> FlowRunner:
+        return FlowRunner(
             flow,
             io,
             self._llm,
             self._http,
             persist,
-            call_vars={
-                "caller": record.from_number,
-                "called": record.to_number,
-                "call_sid": record.call_sid,
-            },
+            call_vars=call_vars,
             resume_prompt=self._resume_prompt,
+            wait_for_beep=wait_for_beep,
         )
-        await runner.run(saved)
+
+    async def _run_outbound(
+        self,
+        io: CallIO,
+        record: CallRecord,
+        flow: Flow,
+        persist: OnStep,
+        call_vars: dict[str, Any],
+    ) -> None:
+        """A call we placed: the flow starts once we know who answered (``answered_by``), with
+        the dial's variables; a ``say`` with ``after_beep`` waits for the machine's beep."""
+        async with watching_answer(
+            io, record.call_sid, self.answers, record.twilio_answered_by
+        ) as watch:
+            answered_by = await watch.answered_by(ANSWER_TIMEOUT)
+            if isinstance(io, CallSession):
+                await io.forget_caller_input()
+            await _save_answered_by(self._store, record, answered_by)
+
+            async def wait_for_beep() -> None:
+                if not await watch.greeting_ended(BEEP_TIMEOUT):
+                    log.warning("amd.no_beep", waited_s=BEEP_TIMEOUT)
+
+            variables = {**record.variables, **call_vars, "answered_by": answered_by}
+            await self._runner(flow, io, persist, variables, wait_for_beep).run(None)
 
 
 def _current(registry: FlowRegistry, record: CallRecord) -> Flow:
@@ -214,6 +267,18 @@ async def _leave(io: CallIO, state: FlowState) -> None:
         await io.hangup()
 
 
+async def _save_answered_by(store: CallStore, record: CallRecord, answered_by: str) -> None:
+    def save(stored: CallRecord) -> None:
+        stored.answered_by = answered_by
+
+    try:
+        await store.update(record.call_sid, fenced(record.stream_sid or "", save))
+    except StreamSuperseded:
+        raise
+    except StoreError as exc:  # the call goes on; the record only misses the label
+        log.error("amd.save_failed", error=str(exc))
+
+
 async def _persist(
     store: CallStore, call_sid: str, stream_sid: str, flow: Flow, live: FlowState, io: CallIO
 ) -> None:
@@ -221,11 +286,15 @@ async def _persist(
     state = stored_state(flow, live)
     data = state.model_dump(mode="json")
     turns = io.unsaved_turns() if isinstance(io, CallSession) else []
+    events = io.timeline.drain() if isinstance(io, CallSession) else []
 
     def save(record: CallRecord) -> None:
         if state.done:  # decided before the last prompt plays: a drop now must not resume it
             record.end_action = "transfer" if state.outcome == "transfer" else "hangup"
             record.transfer_to = state.transfer_to or ""
+        leg = record.warm_transfer
+        if leg is not None and leg.status == "failed" and state.waiting != "transfer":
+            record.warm_transfer = None  # read by the fallback; a later transfer starts afresh
         record.flow_state = data
         record.node = state.node
         record.variables = dict(state.vars)
@@ -235,6 +304,7 @@ async def _persist(
                 record.add_message(item.role, item.content)
         for turn in turns:
             record.add_turn(turn)
+        record.add_events(events)
 
     try:
         await store.update(call_sid, fenced(stream_sid, save))

@@ -27,20 +27,24 @@ from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
 from ivr.call.services import CallServices, StreamAuth
 from ivr.call.tokens import StreamTokens
+from ivr.call.turn_end import EndOfTurnDetector
+from ivr.call.warm import WarmTransfers
 from ivr.config import Settings
 from ivr.conversation import FlowConversation
 from ivr.engines.llm_server import OfflineLlm
+from ivr.engines.smart_turn import SmartTurnModel
 from ivr.flows.registry import FlowRegistry
 from ivr.llm.base import LanguageModel
 from ivr.obs import metrics
 from ivr.obs.loop_lag import LoopLagMonitor
 from ivr.providers import build_llm, build_stt, build_tts
+from ivr.recording import recordings_from_settings
 from ivr.state.base import CallStore
 from ivr.state.memory import MemoryCallStore
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore
 from ivr.stt.base import SpeechToText
-from ivr.telephony.rest import rest_from_settings
+from ivr.telephony.rest import TwilioRest, rest_from_settings
 from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
 
@@ -109,6 +113,10 @@ class Gateway:
         added = await self.services.prompts.warm(self.tts, texts)
         self._watcher = asyncio.create_task(self.flows.watch(), name="flows-watcher")
         self._watcher.add_done_callback(_report_watcher_failure)
+        if self.services.recordings is not None:
+            self.services.recordings.start()
+        if self.services.turn_model is not None:
+            await self.services.turn_model.start()  # a model that cannot load: words only
         log.info(
             "gateway.started",
             instance=self.instance_id,
@@ -129,6 +137,12 @@ class Gateway:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._watcher = self._lag_task = None
+        if self.services.turn_model is not None:
+            await self.services.turn_model.aclose()
+        if self.services.recordings is not None:  # before the store: saves note their location
+            await self.services.recordings.aclose()
+        if self.services.warm is not None:  # stop its watchdogs before the REST client closes
+            await self.services.warm.aclose()
         rest = self.services.rest
         closers = [self.llm.aclose, self.stt.aclose, self.tts.aclose, self.store.aclose]
         closers += [self._flow_http.aclose] + ([rest.aclose] if rest is not None else [])
@@ -171,6 +185,8 @@ def build_gateway(
     )
     tokens = StreamTokens.from_secret(settings.stream_token_secret or settings.twilio_auth_token)
     live = LiveCalls()
+    rest = rest_from_settings(settings)
+    connector = StreamConnector(tokens, store, settings.public_url, settings.public_ws_base)
     services = CallServices(
         instance_id=settings.instance_id,
         store=store,
@@ -184,9 +200,12 @@ def build_gateway(
         heard_within=settings.heard_within,
         auth=_stream_auth(settings),
         tokens=tokens,
-        connector=StreamConnector(tokens, store, settings.public_url, settings.public_ws_base),
+        connector=connector,
         live=live,
-        rest=rest_from_settings(settings),
+        rest=rest,
+        warm=_warm_transfers(settings, store, rest, connector, llm),
+        recordings=recordings_from_settings(settings, store),
+        turn_model=_turn_model(settings),
     )
     return Gateway(
         settings,
@@ -196,6 +215,29 @@ def build_gateway(
         flow_http=flow_http,
         admission=build_admission(settings, live, store),
         prewarm_prompts=prewarm_prompts,
+    )
+
+
+def _turn_model(settings: Settings) -> EndOfTurnDetector | None:
+    """The audio end-of-turn model; it only acts at pauses, so only with speculative turns."""
+    if settings.turn_model == "off" or settings.speculate_after_ms <= 0:
+        return None
+    return EndOfTurnDetector(SmartTurnModel())
+
+
+def _warm_transfers(
+    settings: Settings,
+    store: CallStore,
+    rest: TwilioRest | None,
+    connector: StreamConnector,
+    llm: LanguageModel,
+) -> WarmTransfers | None:
+    """Warm transfers need the REST API (a conference, an agent leg); without it a flow's
+    warm transfer is made cold (logged on each call)."""
+    if rest is None:
+        return None
+    return WarmTransfers(
+        store=store, rest=rest, connector=connector, llm=llm, public_url=settings.public_url
     )
 
 
@@ -223,13 +265,20 @@ def build_store(settings: Settings, instance_id: str) -> CallStore:
 
 def endpointer_factory(settings: Settings) -> Callable[[], Endpointer]:
     """A fresh endpointer per call, with the VAD and silence settings of this gateway."""
+    pause_ms = settings.speculate_after_ms
     config = EndpointConfig(
-        silence_ms=settings.endpoint_silence_ms, min_speech_ms=settings.min_speech_ms
+        silence_ms=settings.endpoint_silence_ms,
+        min_speech_ms=settings.min_speech_ms,
+        # Speculation only pays when it starts before the turn ends.
+        pause_ms=pause_ms if 0 < pause_ms < settings.endpoint_silence_ms else 0,
     )
 
+    # Created now, so its models load in the background before the first call needs one.
+    pool = shared_pool(settings.silero_threshold) if settings.vad == "silero" else None
+
     def new_vad() -> VoiceActivityDetector:
-        if settings.vad == "silero":
-            return GatedSileroVad(shared_pool(settings.silero_threshold))
+        if pool is not None:
+            return GatedSileroVad(pool)
         return WebRtcVad(settings.vad_mode)
 
     return lambda: Endpointer(new_vad(), config)

@@ -20,6 +20,9 @@ CACHED_AT_START: Final = (LLM_FAILURE, NOT_UNDERSTOOD)
 TRANSFER_FAILED: Final = "Sorry, I can't transfer your call right now. Please call back later."
 """Said instead of dialling a transfer number that may not be dialled."""
 
+WARM_TRANSFER_SUMMARY: Final = "You have a call transferred by the voice assistant."
+"""What the agent of a warm transfer hears when its node sets no summary."""
+
 NOT_IN_SERVICE: Final = "Sorry, this number is not in service."
 """The webhook's answer when no flow answers the called number."""
 

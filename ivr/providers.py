@@ -49,7 +49,7 @@ def build_stt(settings: Settings) -> SpeechToText:
     _no_fallback("STT", settings.stt_fallback_base_url)
     from ivr.engines.whisper_stt import LocalWhisperStt
 
-    return LocalWhisperStt(timeout_s=limit, beam_size=5)
+    return LocalWhisperStt(timeout_s=limit, beam_size=5, prompt=settings.stt_prompt or None)
 
 
 def build_tts(settings: Settings) -> TextToSpeech:

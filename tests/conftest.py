@@ -42,6 +42,11 @@ def provider_settings(**overrides: Any) -> Settings:
         "redis_url": "",
         "flows_dir": "flows",
         "vad": "webrtc",
+        # Tests script transcripts in request order, and speculative turns make the number of
+        # STT requests per turn depend on the pauses inside the caller's speech. Speculation
+        # is on in tests/test_speculative_turns.py and in every test that runs `ivr serve`
+        # with its defaults (the fault suites, the multi-instance and drain tests).
+        "speculate_after_ms": 0,
     }
     values.update(overrides)
     return Settings(**values)

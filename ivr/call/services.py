@@ -17,6 +17,9 @@ from ivr.call.io import CallIO
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
 from ivr.call.tokens import StreamTokens
+from ivr.call.turn_end import EndOfTurnDetector
+from ivr.call.warm import WarmTransfers
+from ivr.recording.service import Recordings
 from ivr.state.base import CallRecord, CallStore
 from ivr.stt.base import SpeechToText
 from ivr.telephony.rest import TwilioRest
@@ -74,3 +77,9 @@ class CallServices:
     """The streams this process carries now (admission counts them, a drain moves them)."""
     rest: TwilioRest | None = None
     """Twilio's REST API (transfers by call update), when credentials are configured."""
+    warm: WarmTransfers | None = None
+    """Warm transfers (conference, briefed agent); None without REST credentials."""
+    recordings: Recordings | None = None
+    turn_model: EndOfTurnDetector | None = None
+    """The process's audio end-of-turn model (None: turns end on words and silence alone)."""
+    """Saves the recordings of calls whose record says so; None when no sink is configured."""

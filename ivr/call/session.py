@@ -19,8 +19,24 @@ import structlog
 
 from ivr import phrases
 from ivr.audio.codec import FRAME_BYTES_PCM16, ulaw_to_pcm16
-from ivr.audio.endpointer import Endpointer, EndpointEvent, SpeechDiscarded, SpeechStarted
+from ivr.audio.endpointer import (
+    Endpointer,
+    EndpointEvent,
+    SpeechDiscarded,
+    SpeechEnded,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+)
 from ivr.audio.resample import resample
+from ivr.call.interruptions import (
+    DEFAULT_POLICY,
+    BargeInJudge,
+    InterruptionPolicy,
+    Outcome,
+    Verdict,
+    words_of,
+)
 from ivr.call.io import (
     CallerInput,
     Digits,
@@ -29,12 +45,23 @@ from ivr.call.io import (
     NoInput,
     Spoken,
     Utterance,
+    WarmTransfer,
 )
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
+from ivr.call.speculation import SpeculativeSpeech, TentativeListener
 from ivr.call.speech import HEARD_MARGIN, SpeechHandle
+from ivr.call.timeline import CallTimeline
+from ivr.call.turn_end import (
+    DEFAULT_POLICIES,
+    Completeness,
+    TurnModel,
+    TurnPolicy,
+    silence_needed_ms,
+    text_completeness,
+)
 from ivr.call.turns import CallStats, TurnTimings
-from ivr.errors import ProviderError
+from ivr.errors import ProviderError, ProviderTimeout
 from ivr.obs import metrics
 from ivr.providers_resilience import turn_deadline
 from ivr.stt.base import SpeechToText
@@ -43,6 +70,12 @@ from ivr.tts.base import TextToSpeech
 log = structlog.get_logger("ivr.call")
 
 INPUT_QUEUE_SIZE = 32
+PAUSE_VERDICT_LIMIT_S = 15.0
+"""Longest a prompt paused for caller speech waits for that speech's transcript once it ended
+(STT has its own, shorter, limits; this is for a transcript that never comes)."""
+TURN_MODEL_GRACE_MS = 250
+"""How much longer an unsure turn stays open while the audio turn model runs (~60 ms here):
+a later answer no longer moves the end."""
 STT_QUEUE_SIZE = 4
 
 
@@ -60,6 +93,16 @@ class _NotUnderstood:
 class _PendingUtterance:
     pcm16_8k: bytes
     timings: TurnTimings
+    speculative: asyncio.Task[str] | None = None
+    """The transcript requested when the caller paused, if they did not speak again since."""
+
+
+@dataclass(slots=True)
+class _PauseTranscript:
+    """Speculative STT of the utterance so far, started when the caller paused."""
+
+    pause: int
+    task: asyncio.Task[str]
 
 
 _Input = _Key | Utterance | _NotUnderstood | HungUp
@@ -77,6 +120,8 @@ class CallEnd:
     action: EndAction
     number: str = ""
     """The number to dial, for a transfer (checked by the flow engine)."""
+    warm: WarmTransfer | None = None
+    """A warm transfer: the caller is held in a conference while the agent is briefed."""
 
 
 class CallSession:
@@ -93,6 +138,7 @@ class CallSession:
         on_end: Callable[[CallEnd], None],
         llm_name: str = "llm",
         heard_within: float | None = None,
+        turn_model: TurnModel | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``heard_within``: when a provider fails, the caller hears the cached apology (or
@@ -101,7 +147,8 @@ class CallSession:
         self._player = player
         self._endpointer = endpointer
         self._stt = stt
-        self._tts = tts
+        self._speech_prefetch = SpeculativeSpeech(tts)
+        self._tts = self._speech_prefetch
         self._prompts = prompts
         self._on_end = on_end
         self._llm_name = llm_name
@@ -122,35 +169,93 @@ class CallSession:
         self.turns: list[dict[str, float]] = []
         self.stats = CallStats()
         self._turns_saved = 0
+        self.timeline = CallTimeline()  # key presses, barge-ins, nodes: saved with turns
         self._listening = False
         """The flow is inside ``listen()``: waiting for the caller."""
+        self._listen_spec: ListenSpec | None = None
+        self._pause_transcript: _PauseTranscript | None = None
+        self._tentative_listener: TentativeListener | None = None
+        self._turn_model = turn_model
+        self._turn_judge: asyncio.Task[None] | None = None
+        self._audio_taps: list[Callable[[bytes], None]] = []
+        self._judge = BargeInJudge(player.far_end)
+        self._frame_end = 0.0
+        """Stream time the newest inbound frame ended."""
+        self._policy = DEFAULT_POLICY
+        """The interruption policy of the prompt playing (or last played)."""
+        self._paused_speech: SpeechHandle | None = None
+        """Paused for caller speech, waiting for its transcript to stand or resume."""
+        self._last_utterance_over_bot = False
+        self._pause_deadline: asyncio.TimerHandle | None = None
 
     # -- inbound (called by the stream's receive loop) ------------------------------------
 
+    def add_audio_tap(self, tap: Callable[[bytes], None]) -> None:
+        """``tap`` gets every inbound payload as PCM16 8 kHz (e.g. answering machine
+        detection); it runs on the receive loop, so it must only hand the audio on."""
+        self._audio_taps.append(tap)
+
     async def on_media(self, ulaw: bytes, stream_time: float) -> None:
         """One inbound payload (normally 20 ms); ``stream_time`` is Twilio's timestamp (s)."""
-        pcm = self._pcm_tail + ulaw_to_pcm16(ulaw)
+        decoded = ulaw_to_pcm16(ulaw)
+        for tap in self._audio_taps:
+            tap(decoded)
+        pcm = self._pcm_tail + decoded
         offset = 0
         frame_s = FRAME_BYTES_PCM16 / 16000
+        arrived = self._clock()
         while len(pcm) - offset >= FRAME_BYTES_PCM16:
             frame = pcm[offset : offset + FRAME_BYTES_PCM16]
             t = stream_time + (offset / FRAME_BYTES_PCM16) * frame_s
             offset += FRAME_BYTES_PCM16
-            event = self._endpointer.push(frame, t)
+            # On the playout clock, for the echo check: this frame ended before the rest.
+            self._judge.push(frame, arrived - (len(pcm) - offset) / 16000)
+            self._frame_end = t + frame_s
+            event = await self._endpointer.push_async(frame, t)
             if event is not None:
                 await self._on_endpoint(event, t + frame_s)
-            elif self._speech_started_at is not None and not self._caller_confirmed:
+            elif self._speech_started_at is not None and (
+                not self._caller_confirmed or self._judge.awaiting_voice
+            ):
                 await self._confirm_speech()
         self._pcm_tail = pcm[offset:]
 
     async def _confirm_speech(self) -> None:
-        """Barge in only once the sound has lasted min_speech_ms: a click or a cough that the
-        endpointer will discard must not cut the bot off."""
-        if self._endpointer.voiced_ms >= self._min_speech_ms:
-            self._caller_confirmed = True
-            await self._barge_in("speech")
+        """Is the caller's sound speech? Over the bot (its audio could still be coming back
+        as echo) the ``BargeInJudge`` decides: echo and unvoiced bursts do nothing, speech
+        pauses an interruptible prompt (the transcript then decides, see ``_deliver``).
+        Otherwise, as ever, once the endpointer has counted min_speech_ms of it."""
+        onset = self._speech_started_at
+        if onset is None:
+            return
+        judge = self._judge
+        if self._caller_confirmed:  # paused for a sound with no voice yet: is there one now?
+            judge.watch_voice()
+            return
+        if judge.onset != onset:
+            judge.start(onset)
+        speech = self._speech
+        if judge.bot_audible() or (speech is not None and speech.paused):
+            policy = self._policy
+            verdict = judge.judge(self._frame_end, self._endpointer.voiced_ms, policy)
+            if verdict is not Verdict.SPEECH:
+                return
+        elif self._endpointer.voiced_ms < self._min_speech_ms:
+            return
+        else:
+            judge.confirm()
+        self._caller_confirmed = True
+        if speech is not None and speech.can_be_interrupted:
+            self._paused_speech = speech
+            await speech.pause()
 
     async def _on_endpoint(self, event: EndpointEvent, stream_now: float) -> None:
+        if isinstance(event, SpeechPaused):
+            self._on_pause(event)
+            return
+        if isinstance(event, SpeechResumed):
+            self._drop_speculation()
+            return
         if isinstance(event, SpeechStarted):
             self._caller_speaking = True
             self._speech_started_at = event.t
@@ -158,16 +263,141 @@ class CallSession:
             await self._confirm_speech()
             return
         self._end_caller_speech()
-        if isinstance(event, SpeechDiscarded):  # too short to be speech
+        if self._not_for_stt(event) or isinstance(event, SpeechDiscarded):  # see _not_for_stt
             return
         now = self._clock()
         # Map stream time back to our clock: the caller stopped (stream_now - end) ago.
         speech_end = now - max(0.0, stream_now - event.t_end_of_speech)
         pending = _PendingUtterance(event.audio, TurnTimings(speech_end=speech_end, endpoint=now))
+        if self._pause_transcript is not None:  # no speech since that pause: same words
+            pending.speculative = self._pause_transcript.task
+            self._pause_transcript = None
         if self._stt_queue.full():
             metrics.INBOUND_DROPPED.inc()
             self._stt_queue.get_nowait()
         self._stt_queue.put_nowait(pending)
+
+    # -- speculative turns ----------------------------------------------------------------
+
+    def on_tentative_input(self, listener: TentativeListener | None) -> None:
+        self._tentative_listener = listener
+
+    def prefetch_speech(self, text: str) -> None:
+        if self._prompts.get(self._tts.voice, text) is None:  # cached prompts need no TTS
+            self._speech_prefetch.prefetch(text)
+
+    def _speculating(self) -> bool:
+        """Worth transcribing at a pause: the flow waits for speech and the bot is silent
+        (speech over the bot is a barge-in, judged on its own)."""
+        spec = self._listen_spec
+        return self._listening and self._speech is None and spec is not None and spec.speech
+
+    def _on_pause(self, event: SpeechPaused) -> None:
+        self._drop_speculation()
+        if not self._speculating():
+            return
+        log.debug("speculation.pause", pause=event.pause, speech_ms=event.speech_ms)
+        task = asyncio.create_task(
+            self._transcribe_pause(event.audio, event.pause), name="speculative-stt"
+        )
+        self._pause_transcript = _PauseTranscript(event.pause, task)
+        spec = self._listen_spec
+        if spec is not None:
+            # Until the words are in, they cannot keep an unfinished sentence open: with an STT
+            # slower than the endpoint silence (offline whisper: ~0.4 s) the short silence
+            # would end it first. Hold the turn as long as an unfinished one may wait; a
+            # finished one loses nothing, its reply needs these very words.
+            self._endpointer.set_silence_ms(spec.turn.max_silence_ms)
+
+    async def _transcribe_pause(self, pcm16_8k: bytes, pause: int) -> str:
+        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
+        try:
+            text = (await self._stt.transcribe(audio)).text.strip()
+        except ProviderError as exc:  # the turn asks again; counted like any provider failure
+            metrics.count_provider_error("stt", exc.provider, exc)
+            current, spec = self._pause_transcript, self._listen_spec
+            if current is not None and current.pause == pause and spec is not None:
+                # No words to judge by: silence decides, as without speculation.
+                self._endpointer.set_silence_ms(spec.turn.fallback_silence_ms)
+            raise
+        current = self._pause_transcript
+        listener = self._tentative_listener
+        # Still the caller's latest words and the turn not committed yet: let the flow start
+        # on the reply (once committed, the STT worker delivers the text the normal way).
+        if current is None or current.pause != pause:
+            return text
+        verdict = self._judge_turn(text, pcm16_8k, pause)
+        # Words that leave a clause open will be followed by more: a reply to them is waste.
+        if listener is not None and text and verdict != "incomplete":
+            log.debug("speculation.transcript", pause=pause)
+            listener(text)
+        return text
+
+    # -- end of turn ------------------------------------------------------------------------
+
+    def _judge_turn(self, text: str, pcm16_8k: bytes, pause: int) -> Completeness | None:
+        """Move the end of this turn by what the words so far say, and when they say nothing
+        either way, by the audio turn model: an open clause ("my number is", "and") or digits
+        still missing wait the node's longest pause, a finished answer its shortest."""
+        spec = self._listen_spec
+        if spec is None:
+            return None
+        policy = spec.turn
+        verdict = text_completeness(text, policy.expect, policy.digits)
+        if verdict != "unknown" or self._turn_model is None:
+            silence = silence_needed_ms(policy, None, verdict)
+            self._endpointer.set_silence_ms(silence)
+            log.debug("turn.judged", text=verdict, silence_ms=silence)
+            return verdict
+        # Hold the turn open while the model thinks (off the loop), a bounded moment.
+        self._endpointer.set_silence_ms(policy.fallback_silence_ms + TURN_MODEL_GRACE_MS)
+        if self._turn_judge is not None:
+            self._turn_judge.cancel()
+        # The audio up to now: the silence since the pause is part of what the model judges
+        # (it was trained on turns that end ~200 ms into the pause).
+        audio = self._endpointer.utterance_audio() or pcm16_8k
+        self._turn_judge = asyncio.create_task(
+            self._judge_by_model(self._turn_model, policy, audio, pause), name="turn-model"
+        )
+        return verdict
+
+    async def _judge_by_model(
+        self, model: TurnModel, policy: TurnPolicy, pcm16_8k: bytes, pause: int
+    ) -> None:
+        p_audio = await model.audio_probability(pcm16_8k)  # never raises: None = no answer
+        current = self._pause_transcript
+        if current is None or current.pause != pause:
+            return  # the turn ended meanwhile (or went on): nothing to move
+        silence = silence_needed_ms(policy, p_audio, "unknown")
+        self._endpointer.set_silence_ms(silence)
+        log.debug("turn.judged", text="unknown", p_audio=p_audio, silence_ms=silence)
+
+    def _drop_speculation(self) -> None:
+        """The caller went on talking: what was started on their pause is stale."""
+        pause = self._pause_transcript
+        self._pause_transcript = None
+        if pause is not None:
+            if not pause.task.done():
+                pause.task.cancel()
+            metrics.SPECULATION.labels("stt", "wasted").inc()
+            pause.task.add_done_callback(_consume_result)
+            if self._tentative_listener is not None:
+                self._tentative_listener(None)
+        # Prefetched speech stays: the next pause may bring the same words (then the reply,
+        # and its first sentence, are the same). A new listen() drops what is left.
+
+    async def aclose(self) -> None:
+        """The stream is over: cancel what speculation still runs."""
+        judge, self._turn_judge = self._turn_judge, None
+        if judge is not None and not judge.done():
+            judge.cancel()
+            await asyncio.gather(judge, return_exceptions=True)
+        pause = self._pause_transcript
+        self._pause_transcript = None
+        if pause is not None and not pause.task.done():
+            pause.task.cancel()
+            await asyncio.gather(pause.task, return_exceptions=True)
+        await self._speech_prefetch.aclose()
 
     def _end_caller_speech(self) -> None:
         self._caller_speaking = False
@@ -210,17 +440,45 @@ class CallSession:
                 utterance = await self._transcribe(pending)
             finally:
                 self._stt_busy -= 1
-            self._put_input(utterance)
+            await self._deliver(utterance)
+
+    async def _speculated_text(self, pending: _PendingUtterance) -> str | None:
+        """The transcript asked for at the caller's pause, once it is in; None if it failed
+        (then the turn asks again: a failed speculation is never heard)."""
+        task = pending.speculative
+        if task is None:
+            return None
+        # The request was sent without the turn's deadline (nobody knew the turn yet): hold
+        # it to that deadline now, as a request sent at the endpoint would be.
+        deadline = self._deadline_of(pending.timings)
+        limit = None if deadline is None else max(0.0, deadline - self._clock())
+        try:
+            text = await asyncio.wait_for(asyncio.shield(task), limit)
+        except TimeoutError:
+            task.cancel()
+            metrics.SPECULATION.labels("stt", "failed").inc()
+            raise ProviderTimeout(self._stt.name, self._heard_within or 0.0) from None
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # this worker is being cancelled, not the speculation
+            return None
+        except Exception as exc:
+            metrics.SPECULATION.labels("stt", "failed").inc()
+            log.info("stt.speculation_failed", error=str(exc))
+            return None
+        metrics.SPECULATION.labels("stt", "used").inc()
+        return text
 
     async def _transcribe(self, pending: _PendingUtterance) -> Utterance | _NotUnderstood:
         timings = pending.timings
+        # A speculated transcript costs the turn only what is left of it past the endpoint.
         timings.stt_start = self._clock()
-        audio = resample(pending.pcm16_8k, 8000, self._stt.sample_rate)
-        if self._heard_within is not None:  # see SpeechHandle: the same deadline, for STT
-            turn_deadline.set(timings.speech_end + self._heard_within - HEARD_MARGIN)
         try:
-            result = await self._stt.transcribe(audio)
-            text = result.text.strip()
+            speculated = await self._speculated_text(pending)
+            if speculated is not None:
+                text = speculated
+            else:
+                text = await self._transcribe_now(pending)
         except ProviderError as exc:
             metrics.count_provider_error("stt", exc.provider, exc)
             self.stats.provider_errors += 1
@@ -232,14 +490,37 @@ class CallSession:
         log.info("caller.said", pii_text=text, stt_s=round(timings.stt_end - timings.stt_start, 3))
         return Utterance(text=text, latency={"stt": timings.stt_end - timings.stt_start})
 
+    async def _transcribe_now(self, pending: _PendingUtterance) -> str:
+        timings = pending.timings
+        timings.stt_start = self._clock()
+        audio = resample(pending.pcm16_8k, 8000, self._stt.sample_rate)
+        deadline = self._deadline_of(timings)
+        if deadline is not None:  # see SpeechHandle: the same deadline, for STT
+            turn_deadline.set(deadline)
+        result = await self._stt.transcribe(audio)
+        return result.text.strip()
+
+    def _deadline_of(self, timings: TurnTimings) -> float | None:
+        """When STT must have answered for a failure's re-ask to be heard in time (None: off)."""
+        if self._heard_within is None:
+            return None
+        return timings.speech_end + self._heard_within - HEARD_MARGIN
+
     # -- CallIO: listening ----------------------------------------------------------------
 
     async def listen(self, spec: ListenSpec) -> CallerInput:
         self._listening = True
+        self._listen_spec = spec
+        self._speech_prefetch.discard()  # a new turn: what the last one did not use is stale
+        # The node's pause before a turn counts as over (an account number waits longer);
+        # a node that sets nothing keeps the gateway's configured endpoint silence.
+        custom = spec.turn != DEFAULT_POLICIES["any"]
+        self._endpointer.use_default_silence_ms(spec.turn.fallback_silence_ms if custom else None)
         try:
             return await self._listen(spec)
         finally:
             self._listening = False
+            self._endpointer.use_default_silence_ms(None)
 
     def at_turn_boundary(self) -> bool:
         """The flow waits for the caller, the bot is silent and the caller has neither started
@@ -347,11 +628,13 @@ class CallSession:
         )
 
     async def _play(self, handle: SpeechHandle, start: Callable[[], None]) -> Spoken:
+        if handle.interruptible and self._caller_speaking and not self._caller_confirmed:
+            await self._until_sound_judged()
         if handle.interruptible and self._caller_has_the_floor():
             # The caller is talking (they went on after a pause, or barged into the previous
             # prompt) or has answered already: speaking now would talk over them or answer
             # half a sentence. Their input comes through listen().
-            metrics.BARGE_INS.labels("before_start").inc()
+            metrics.BARGE_INS.labels("before_start", "interrupted").inc()
             return Spoken(text_heard="", interrupted=True)
         start()
         self._speech = handle
@@ -359,6 +642,27 @@ class CallSession:
             return await handle.wait_for_playout()
         finally:
             self._speech = None
+
+    async def forget_caller_input(self, limit: float = 3.0) -> None:
+        """Drop what the caller said so far, once transcribed (waits ``limit`` s at most): an
+        outbound callee's "Hello?" greets us, it answers no prompt. Polled, once a call."""
+        waited = 0.0
+        while (self._stt_busy or not self._stt_queue.empty()) and waited < limit:
+            await asyncio.sleep(0.02)
+            waited += 0.02
+        while not self._inputs.empty():
+            self._inputs.get_nowait()
+
+    async def _until_sound_judged(self, limit: float = 0.5) -> None:
+        """The caller just made a sound not yet judged speech (needs min_speech_ms) or noise:
+        a reply (ready sooner now that turns are speculated) waits those few frames rather
+        than start over a caller who went on talking. Polled: it is rare and short."""
+        waited = 0.0
+        while self._caller_speaking and not self._caller_confirmed and waited < limit:
+            if self._judge.heard_not_speech:  # the bot's own echo, or noise: nobody to wait for
+                return
+            await asyncio.sleep(0.02)
+            waited += 0.02
 
     def unsaved_turns(self) -> list[dict[str, float]]:
         """Turn latencies not yet handed to the call store (each is handed out once)."""
@@ -368,6 +672,75 @@ class CallSession:
 
     # -- barge-in -------------------------------------------------------------------------
 
+    def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
+        """What interrupts the prompts that follow (``SupportsInterruptionPolicy``)."""
+        self._policy = policy or DEFAULT_POLICY
+
+    def _not_for_stt(self, event: SpeechEnded | SpeechDiscarded) -> bool:
+        """An utterance is over: too short (a paused prompt resumes), or only ever the bot's
+        echo or a noise while the bot was audible (dropped: the bot never stopped for it)."""
+        judged = self._judge.end()
+        if isinstance(event, SpeechDiscarded):
+            if self._paused_speech is not None:
+                self._resume(Outcome.RESUMED, "")
+            return True
+        if judged is not None and judged.over_bot and not judged.voiced:
+            # Only ever echo, or a sound with no voice in it (a cough, a door, static): there
+            # are no words to transcribe (and STT would make some up); a paused prompt resumes.
+            echo = Verdict.ECHO in judged.verdicts and not judged.taken_for_speech
+            outcome = Outcome.ECHO if echo else Outcome.NOISE
+            if self._paused_speech is not None:
+                self._resume(outcome, "")
+            else:
+                metrics.BARGE_INS.labels("speech", outcome.value).inc()
+                log.info("barge_in.ignored", outcome=outcome.value)
+            return True
+        self._last_utterance_over_bot = judged is not None and judged.over_bot
+        if self._paused_speech is not None:  # its transcript decides; never wait forever
+            self._cancel_pause_deadline()
+            self._pause_deadline = asyncio.get_running_loop().call_later(
+                PAUSE_VERDICT_LIMIT_S, self._verdict_overdue, self._paused_speech
+            )
+        return False
+
+    def _verdict_overdue(self, speech: SpeechHandle) -> None:
+        """No transcript came for the utterance that paused ``speech`` (lost, say, from a full
+        STT queue): the prompt goes on rather than leave the call hanging."""
+        if self._paused_speech is speech:
+            log.warning("barge_in.no_verdict", limit_s=PAUSE_VERDICT_LIMIT_S)
+            self._resume(Outcome.RESUMED, "")
+
+    async def _deliver(self, item: Utterance | _NotUnderstood) -> None:
+        """A transcript is in. Over the bot, words that do not take the floor (none, or only
+        backchannel) are swallowed and a paused prompt resumes; a real turn makes the pause
+        an interruption, and the flow gets the words (queued first: the flow, woken by the
+        interruption, must find them)."""
+        paused = self._paused_speech
+        over_bot = self._last_utterance_over_bot
+        self._last_utterance_over_bot = False
+        bot_on = paused is not None or (over_bot and self._speech is not None)
+        if bot_on and isinstance(item, Utterance) and not self._policy.is_real_turn(item.text):
+            self._resume(Outcome.BACKCHANNEL if words_of(item.text) else Outcome.RESUMED, item.text)
+            return
+        self._put_input(item)
+        if paused is not None:
+            self._paused_speech = None
+            self._cancel_pause_deadline()
+            await paused.interrupt("speech")
+
+    def _cancel_pause_deadline(self) -> None:
+        if self._pause_deadline is not None:
+            self._pause_deadline.cancel()
+            self._pause_deadline = None
+
+    def _resume(self, outcome: Outcome, text: str) -> None:
+        self._cancel_pause_deadline()
+        paused, self._paused_speech = self._paused_speech, None
+        metrics.BARGE_INS.labels("speech", outcome.value).inc()
+        log.info("barge_in.swallowed", outcome=outcome.value, pii_text=text)
+        if paused is not None:
+            paused.resume()
+
     async def _barge_in(self, trigger: str) -> None:
         speech = self._speech
         if speech is not None and speech.can_be_interrupted:
@@ -375,8 +748,14 @@ class CallSession:
 
     # -- CallIO: leaving ------------------------------------------------------------------
 
-    async def transfer(self, number: str) -> None:
-        self._on_end(CallEnd(EndAction.TRANSFER, number))
+    async def transfer(self, number: str, warm: WarmTransfer | None = None) -> None:
+        self._on_end(CallEnd(EndAction.TRANSFER, number, warm))
 
     async def hangup(self) -> None:
         self._on_end(CallEnd(EndAction.HANGUP))
+
+
+def _consume_result(task: asyncio.Task[str]) -> None:
+    """Retrieve a dropped speculation's outcome, so a failure is not logged as unhandled."""
+    if not task.cancelled():
+        task.exception()

@@ -251,6 +251,8 @@ def _normalize(number: str) -> str:
 def _prompts(flow: Flow) -> Iterator[str]:
     d = flow.defaults
     yield from (d.no_input_prompt, d.no_match_prompt, d.error_prompt, flow.resume_prompt or "")
+    if flow.recording.enabled != "never":
+        yield flow.recording.consent_prompt or ""
     for node in flow.nodes.values():
         if isinstance(node, SayNode):
             yield node.text

@@ -64,11 +64,42 @@ PROTOCOL_ERRORS = Counter(
     "ivr_protocol_errors_total", "Inbound stream messages we could not use.", ["reason"]
 )
 UNKNOWN_EVENTS = Counter("ivr_unknown_events_total", "Inbound stream events we do not know.")
-BARGE_INS = Counter("ivr_barge_ins_total", "Bot speech interrupted by the caller.", ["trigger"])
+BARGE_INS = Counter(
+    "ivr_barge_ins_total",
+    "Caller sound or keys over bot speech, by what became of it: interrupted (the bot stopped),"
+    " resumed (paused, no words came), backchannel, echo, noise (the bot went on).",
+    ["trigger", "outcome"],
+)
+TURN_MODEL = Counter(
+    "ivr_turn_model_total",
+    "End-of-turn model answers at a caller's pause: complete, incomplete, or why there was "
+    "none (unavailable, timeout, error) and silence alone decided.",
+    ["outcome"],
+)
+WARM_TRANSFERS = Counter(
+    "ivr_warm_transfers_total",
+    "Warm transfer steps: held, connected, or why the caller came back (no-answer, busy, ...).",
+    ["outcome"],
+)
 INBOUND_DROPPED = Counter(
     "ivr_inbound_frames_dropped_total", "Caller audio frames dropped because a queue was full."
 )
+SPECULATION = Counter(
+    "ivr_speculations_total",
+    "Provider requests started during the endpoint silence, by stage (stt, llm, tts) and "
+    "outcome: used by the turn, wasted (the caller went on) or failed (the live turn retried).",
+    ["stage", "outcome"],
+)
 PROMPT_CACHE = Counter("ivr_prompt_cache_total", "Static prompt audio lookups.", ["result"])
+RECORDINGS = Counter(
+    "ivr_recordings_total",
+    "Call recordings by outcome: saved, failed (the sink failed; the call was unaffected) or "
+    "dropped (too many waiting to be saved).",
+    ["outcome"],
+)
+RECORDINGS_EXPIRED = Counter(
+    "ivr_recordings_expired_total", "Recordings deleted by the retention setting."
+)
 STORE_DEGRADED = Gauge("ivr_store_degraded", "1 while the call store (Redis) is unreachable.")
 STORE_PENDING = Gauge("ivr_store_pending_writes", "Call-state writes waiting for Redis to return.")
 STORE_RECONCILED = Gauge(

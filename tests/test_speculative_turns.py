@@ -14,6 +14,7 @@ import pytest
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
 
+from ivr.config import CLOUD_HEARD_WITHIN
 from ivr.server import RunningServer
 from ivr.sim.caller import place_call
 from ivr.sim.report import CallReport
@@ -218,6 +219,27 @@ async def test_words_that_come_after_the_endpoint_silence_still_keep_the_turn_op
     async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
         report = await dial(server, PAUSE_TO_LOOK_IT_UP)
     assert_one_reply_to_the_whole_sentence(report, fake_openai)
+
+
+async def test_an_stt_that_never_answers_leaves_the_re_ask_in_time(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The pause's words never come (STT stalls): the turn may wait for them, but not so long
+    # that the "sorry, I didn't catch that" misses the turn deadline (1.5 s with cloud
+    # providers): the turn ends before it, and the re-ask is heard within it.
+    fake_openai.faults["transcriptions"] = Fault(hang=True)
+    within_ms = round(CLOUD_HEARD_WITHIN * 1000)
+    async with gateway_factory(
+        speculate_after_ms=60, turn_model="off", heard_within_ms=within_ms
+    ) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.violations, report.format_transcript()
+    [turn] = [t for t in report.turns if t.caller_text is not None]
+    assert turn.bot_first_audio_t is not None, report.format_transcript()
+    # No words, so no model request: what the caller heard is the cached re-ask.
+    assert fake_openai.requests_for("chat") == [] and turn.bot_audio_seconds > 1.0
+    heard_after = turn.bot_first_audio_t - turn.caller_end_t
+    assert heard_after < CLOUD_HEARD_WITHIN - 0.05, f"re-ask heard {heard_after:.3f} s after"
 
 
 async def test_without_the_words_the_same_pause_cuts_the_caller_off(

@@ -76,6 +76,9 @@ PAUSE_VERDICT_LIMIT_S = 15.0
 TURN_MODEL_GRACE_MS = 250
 """How much longer an unsure turn stays open while the audio turn model runs (~60 ms here):
 a later answer no longer moves the end."""
+WORDS_WAIT_SLACK_MS = 150
+"""A pause waiting for its words ends this long before the STT deadline: the turn's end, the
+STT worker and the re-ask's first frame all fit in it (a few ms each)."""
 STT_QUEUE_SIZE = 4
 
 
@@ -307,7 +310,16 @@ class CallSession:
             # slower than the endpoint silence (offline whisper: ~0.4 s) the short silence
             # would end it first. Hold the turn as long as an unfinished one may wait; a
             # finished one loses nothing, its reply needs these very words.
-            self._endpointer.set_silence_ms(spec.turn.max_silence_ms)
+            self._endpointer.set_silence_ms(self._words_wait_ms(spec.turn))
+
+    def _words_wait_ms(self, policy: TurnPolicy) -> int:
+        """How long a pause may run while its words are still coming: the node's longest
+        pause, but with a turn deadline (cloud providers) never so long that an STT which
+        never answers would push the re-ask past it: the turn must end before the deadline."""
+        if self._heard_within is None:
+            return policy.max_silence_ms
+        budget_ms = round((self._heard_within - HEARD_MARGIN) * 1000) - WORDS_WAIT_SLACK_MS
+        return max(policy.fallback_silence_ms, min(policy.max_silence_ms, budget_ms))
 
     async def _transcribe_pause(self, pcm16_8k: bytes, pause: int) -> str:
         audio = resample(pcm16_8k, 8000, self._stt.sample_rate)

@@ -237,8 +237,8 @@ class FlowConversation:
             io, record.call_sid, self.answers, record.twilio_answered_by
         ) as watch:
             answered_by = await watch.answered_by(ANSWER_TIMEOUT)
-            if isinstance(io, CallSession):
-                await io.forget_caller_input()
+            if isinstance(io, CallSession):  # a machine's greeting runs on: its say waits
+                await io.forget_caller_input(until_quiet=answered_by != "machine")
             await _save_answered_by(self._store, record, answered_by)
 
             async def wait_for_beep() -> None:

@@ -8,6 +8,7 @@ beep for the machine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -299,6 +300,31 @@ async def test_a_machine_gets_the_voicemail_after_its_beep_and_nothing_before(
 
 
 @pytest.mark.slow
+async def test_a_verdict_that_comes_mid_hello_waits_for_the_person_to_finish(
+    gateway_factory: GatewayFactory, fake: FakeOpenAIServer, twilio: Twilio, flows_dir: Path
+) -> None:
+    # Twilio's "human" can arrive while the person is still saying "Hello?": the greeting
+    # waits for them to stop rather than start over them (and be cut as a barge-in).
+    hello = fixture("human")
+    mid_hello = (hello.lead_s + callee_audio(hello, tail_s=0.0).speech_end_s) / 2
+    human = twilio.callees.callees[HUMAN]
+    twilio.callees.callees[HUMAN] = dataclasses.replace(human, amd_after_s=mid_hello)
+    settings = twilio.settings(flows_dir, twilio_amd="DetectMessageEnd")
+    async with gateway_factory(**settings) as server:
+        twilio.serve(server)
+        sid = await dial(server, HUMAN, vars={"name": "Sam"})
+        report = await twilio.callees.wait_for(sid, 20)
+        record = await ended_record(server, sid)
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert record.twilio_answered_by == "human", record
+    [turn] = bot_turns(report)
+    assert turn.bot_first_audio_t is not None and turn.bot_first_audio_t > turn.caller_end_t
+    assert not turn.interrupted, report.format_transcript()
+    assert turn.bot_audio_seconds == pytest.approx(
+        speech_seconds(said(GREETING, "Sam")), abs=FRAME_S
+    )
+
+
 async def test_twilio_amd_callback_signed_is_taken_and_unsigned_is_refused(
     gateway_factory: GatewayFactory, fake: FakeOpenAIServer, twilio: Twilio, flows_dir: Path
 ) -> None:

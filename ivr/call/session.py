@@ -418,12 +418,15 @@ class CallSession:
 
     def _caller_answering(self) -> bool:
         """Speech in progress or being transcribed: an answer is on its way."""
-        return self._caller_speaking or self._stt_busy > 0 or not self._stt_queue.empty()
+        return self._caller_speaking or self._stt_pending()
+
+    def _stt_pending(self) -> bool:
+        """Speech that ended is being, or waits to be, transcribed."""
+        return self._stt_busy > 0 or not self._stt_queue.empty()
 
     def _caller_has_the_floor(self) -> bool:
         """The caller is talking, or has said or pressed something not yet acted on."""
-        answer_on_its_way = self._stt_busy > 0 or not self._stt_queue.empty()
-        return self._caller_confirmed or answer_on_its_way or not self._inputs.empty()
+        return self._caller_confirmed or self._stt_pending() or not self._inputs.empty()
 
     async def on_dtmf(self, digit: str) -> None:
         # Queue the key before the barge-in awaits `clear`, so the flow, woken by the
@@ -655,11 +658,14 @@ class CallSession:
         finally:
             self._speech = None
 
-    async def forget_caller_input(self, limit: float = 3.0) -> None:
+    async def forget_caller_input(self, limit: float = 3.0, until_quiet: bool = False) -> None:
         """Drop what the caller said so far, once transcribed (waits ``limit`` s at most): an
-        outbound callee's "Hello?" greets us, it answers no prompt. Polled, once a call."""
+        outbound callee's "Hello?" greets us, it answers no prompt. ``until_quiet``: first let
+        them finish it (a verdict can come mid-word), so the bot does not start over a person
+        and take their "Hello?" for a barge-in. Polled, once a call."""
         waited = 0.0
-        while (self._stt_busy or not self._stt_queue.empty()) and waited < limit:
+        busy = self._caller_answering if until_quiet else self._stt_pending
+        while busy() and waited < limit:
             await asyncio.sleep(0.02)
             waited += 0.02
         while not self._inputs.empty():

@@ -32,7 +32,8 @@ class Callee:
     answered_by: str = ""
     """Twilio's ``AnsweredBy`` for this callee (human, machine_end_beep, ...); "" = none."""
     amd_after_s: float = 3.0
-    """Seconds after the pick-up at which Twilio's verdict arrives."""
+    """Seconds after the callee starts talking (its audio starts reaching the gateway) at
+    which Twilio's verdict arrives: Twilio's AMD judges that same audio."""
 
 
 @dataclass(slots=True)
@@ -72,10 +73,11 @@ class SimulatedCallees:
                 await self._post_status(create, "no-answer")
             return
         amd = None
+        answer = OutboundAnswer(create.call_sid, create.url, create.method)
         if create.async_amd and create.amd_callback and callee.answered_by:
-            amd = asyncio.create_task(self._amd_verdict(create, callee))
+            amd = asyncio.create_task(self._amd_verdict(create, callee, answer.streaming))
         try:
-            report = await self._pick_up(create, callee)
+            report = await self._pick_up(create, callee, answer)
         except Exception as exc:  # a broken callee script: the test waiting on it must see it
             log.error("callee.failed", call_sid=create.call_sid, error=repr(exc))
             self.failures[create.call_sid] = exc
@@ -89,7 +91,9 @@ class SimulatedCallees:
         self.reports[create.call_sid] = report
         self.answered.set()
 
-    async def _pick_up(self, create: CallCreate, callee: Callee) -> CallReport:
+    async def _pick_up(
+        self, create: CallCreate, callee: Callee, answer: OutboundAnswer
+    ) -> CallReport:
         return await place_call(
             self.http_base,
             script=callee.script,
@@ -98,7 +102,7 @@ class SimulatedCallees:
             from_=create.from_,
             to=create.to,
             rest_api=self.rest_api,
-            outbound=OutboundAnswer(create.call_sid, create.url, create.method),
+            outbound=answer,
         )
 
     async def wait_for(self, call_sid: str, within: float) -> CallReport:
@@ -111,7 +115,10 @@ class SimulatedCallees:
             raise self.failures[call_sid]
         return self.reports[call_sid]
 
-    async def _amd_verdict(self, create: CallCreate, callee: Callee) -> None:
+    async def _amd_verdict(
+        self, create: CallCreate, callee: Callee, streaming: asyncio.Event
+    ) -> None:
+        await streaming.wait()
         await asyncio.sleep(callee.amd_after_s)
         params = {
             "AnsweredBy": callee.answered_by,

@@ -19,7 +19,7 @@ import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -154,8 +154,16 @@ class _CallerTurn:
 class _Line:
     """State shared by the script runner and whichever stream is connected."""
 
-    def __init__(self, t0: float, comfort_noise: bool, echo: LineEcho | None = None) -> None:
+    def __init__(
+        self,
+        t0: float,
+        comfort_noise: bool,
+        echo: LineEcho | None = None,
+        streaming: asyncio.Event | None = None,
+    ) -> None:
         self.t0 = t0
+        self.streaming = streaming or asyncio.Event()
+        """Set once the first stream starts: the caller's audio is on its way."""
         self.echo = echo
         self.mic = _Mic(comfort_noise)
         self.playouts: list[TwilioPlayout] = []
@@ -257,6 +265,7 @@ class _Session:
         self.line.playouts.append(self.playout)
         if self.line.first_stream_t is None:
             self.line.first_stream_t = self.started_t
+            self.line.streaming.set()
         self.line.session = self
         self.line.session_changed.set()
         pump = asyncio.create_task(self._pump())
@@ -391,6 +400,9 @@ class OutboundAnswer:
     url: str
     """The call's ``Url``: the TwiML for the answered call."""
     method: str = "POST"
+    streaming: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the callee's audio starts reaching the gateway (its first stream starts): the
+    moment the simulated callee starts talking, so what hears it (Twilio's AMD) starts then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,7 +450,7 @@ async def place_call(
         first = _FirstRequest(outbound.url, "in-progress", outbound.method)
     ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
     report = CallReport(ids.call_sid, ids.account_sid)
-    line = _Line(time.monotonic(), comfort_noise, echo)
+    line = _Line(time.monotonic(), comfort_noise, echo, outbound.streaming if outbound else None)
     if rest_api is not None:
         rest_api.add_call(ids.call_sid, from_=from_, to=to, control=line.on_rest_update)
         line.conference = rest_api.conference_host

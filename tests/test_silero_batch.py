@@ -5,10 +5,14 @@ call wait. Real model, real event loop, real speech."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
+from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+from structlog.testing import capture_logs
 
 from ivr.audio.endpointer import Endpointer, EndpointEvent
 from ivr.audio.gated_vad import GatedSileroVad, SileroPool
@@ -151,3 +155,69 @@ async def test_the_endpointer_finds_the_same_turns_with_batching_as_without() ->
     got = await asyncio.gather(*(events_async(a) for a in audios))
     assert all(any(kind == "SpeechEnded" for kind, _ in e) for e in expected), expected
     assert got == expected
+
+
+# -- the model failing -------------------------------------------------------------------------
+
+
+class FailingSession:
+    """The model's onnxruntime session, raising onnxruntime's own error while ``failing``:
+    the engine boundary, as a provider's is its server."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.failing, self.failed = real, True, 0
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failing:
+            self.failed += 1
+            raise RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : injected")
+        return self.real.run(*args, **kwargs)
+
+
+@pytest.fixture
+def failing_model() -> Iterator[FailingSession]:
+    model = SileroModel.shared()
+    real = model._session
+    session = FailingSession(real)
+    model._session = session
+    try:
+        yield session
+    finally:
+        model._session = real
+
+
+async def test_a_failing_model_leaves_the_gate_to_find_the_turn(
+    failing_model: FailingSession,
+) -> None:
+    audio = caller_audio(2)
+    pool = SileroPool()
+    ready = await asyncio.to_thread(pool.acquire)  # loaded: a wake inside the loop gets it
+    assert ready is not None
+    pool.release(ready)
+    endpointer = Endpointer(GatedSileroVad(pool))
+    events = []
+    with capture_logs() as logs:
+        for frame, t in frames(audio):
+            if (event := await endpointer.push_async(frame, t)) is not None:
+                events.append(described(event))
+    endpointer.close()
+    # Every Silero run failed, and the call still heard the caller start and stop: WebRTC's
+    # verdict stood in for each window, as while a model loads. One warning, not one a window.
+    assert failing_model.failed > 10
+    kinds = [kind for kind, _ in events]
+    assert "SpeechStarted" in kinds and "SpeechEnded" in kinds, events
+    warnings = [entry for entry in logs if entry["event"] == "vad.model_failed"]
+    assert len(warnings) == 1 and "injected" in warnings[0]["error"], warnings
+
+
+async def test_silero_alone_keeps_its_last_verdict_through_a_failure_and_recovers(
+    failing_model: FailingSession,
+) -> None:
+    audio = caller_audio(3)
+    vad = SileroVad()
+    verdicts = []
+    for i, (frame, _) in enumerate(frames(audio)):
+        failing_model.failing = 20 <= i < 30  # 200 ms of failed runs in the middle of speech
+        verdicts.append(await vad.is_speech_async(frame))
+    assert vad.failed_windows == failing_model.failed > 0
+    assert any(verdicts[40:]) and not verdicts[-1], "after the failure: the speech, its end"

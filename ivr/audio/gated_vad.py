@@ -164,14 +164,17 @@ class GatedSileroVad:
         silero, gate = self._silero_for(frame)
         if silero is None:
             return gate
-        return self._judged(silero.is_speech(frame), gate)
+        verdict = silero.judge(frame)
+        # A window Silero failed to judge: the gate's verdict stands in, as while it loads.
+        return self._judged(gate if verdict is None else verdict, gate)
 
     async def is_speech_async(self, frame: bytes) -> bool:
         """``is_speech``, Silero's windows batched with other calls' (``SileroBatcher``)."""
         silero, gate = self._silero_for(frame)
         if silero is None:
             return gate
-        return self._judged(await silero.is_speech_async(frame), gate)
+        verdict = await silero.judge_async(frame)
+        return self._judged(gate if verdict is None else verdict, gate)
 
     def _silero_for(self, frame: bytes) -> tuple[SileroVad | None, bool]:
         """The gate's verdict on ``frame``, and the Silero instance that decides it (None:
@@ -209,7 +212,7 @@ class GatedSileroVad:
         self.wakes += 1
         self._quiet_frames = 0
         for past in self._history:  # prime the model's state with the onset
-            silero.is_speech(past)
+            silero.judge(past)
         self._history.clear()
         return silero
 

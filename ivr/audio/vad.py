@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import ClassVar, Final, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 import webrtcvad
 
 from ivr.audio.silero_batch import SileroBatcher, batcher_for
+
+log = structlog.get_logger("ivr.vad")
 
 _WEBRTC_RATES: Final = (8000, 16000, 32000, 48000)
 _WEBRTC_FRAME_MS: Final = (10, 20, 30)
@@ -174,6 +178,20 @@ class SileroModel:
         return batcher_for(self, asyncio.get_running_loop())
 
 
+_WARN_EVERY_S: Final = 10.0
+_warned_at = -_WARN_EVERY_S
+
+
+def _warn_model_failed(exc: Exception) -> None:
+    """One warning per ``_WARN_EVERY_S`` for the process: a failing model fails every call's
+    windows at once, 31 a second each."""
+    global _warned_at
+    now = time.monotonic()
+    if now - _warned_at >= _WARN_EVERY_S:
+        _warned_at = now
+        log.warning("vad.model_failed", error=repr(exc)[:300])
+
+
 class SileroVad:
     """Silero VAD v5 on a shared onnxruntime session (``SileroModel``; no torch).
 
@@ -199,6 +217,7 @@ class SileroVad:
         "_speaking",
         "_state",
         "_win",
+        "failed_windows",
     )
 
     def __init__(
@@ -224,6 +243,8 @@ class SileroVad:
         self._pos, self._neg = threshold, threshold - 0.15
         self._speaking = False
         self._hangover_ms = hangover_ms
+        self.failed_windows = 0
+        """Windows the model failed to judge (``judge_async``): each kept the last verdict."""
 
     @property
     def sample_rate(self) -> int:
@@ -238,17 +259,47 @@ class SileroVad:
         return self._hangover_ms
 
     def is_speech(self, frame: bytes) -> bool:
+        """Whether the caller speaks; a window the model failed to judge keeps the last
+        verdict."""
+        verdict = self.judge(frame)
+        return self._speaking if verdict is None else verdict
+
+    def judge(self, frame: bytes) -> bool | None:
+        """``is_speech``, but None when this frame completed a window the model failed to
+        judge (an onnxruntime error): the call goes on, the caller decides what stands in."""
         window = self._take(frame)
-        if window is not None:
-            self._judged(*self._model.predict(window, self._state))
+        if window is None:
+            return self._speaking
+        try:
+            prob, state = self._model.predict(window, self._state)
+        except Exception as exc:  # the state stays as it was: the next window carries on
+            self._failed(exc)
+            return None
+        self._judged(prob, state)
         return self._speaking
 
     async def is_speech_async(self, frame: bytes) -> bool:
-        """``is_speech``, with the window judged in a batch with other calls' windows."""
+        """``is_speech``, with the window judged in a batch with other calls' windows; a
+        window the model failed to judge keeps the last verdict."""
+        verdict = await self.judge_async(frame)
+        return self._speaking if verdict is None else verdict
+
+    async def judge_async(self, frame: bytes) -> bool | None:
+        """``judge`` with the window judged in a batch with other calls' windows."""
         window = self._take(frame)
-        if window is not None:
-            self._judged(*await self._model.batcher().predict(self, window, self._state))
+        if window is None:
+            return self._speaking
+        try:
+            prob, state = await self._model.batcher().predict(self, window, self._state)
+        except Exception as exc:  # as in judge
+            self._failed(exc)
+            return None
+        self._judged(prob, state)
         return self._speaking
+
+    def _failed(self, exc: Exception) -> None:
+        self.failed_windows += 1
+        _warn_model_failed(exc)
 
     def _take(self, frame: bytes) -> npt.NDArray[np.float32] | None:
         """Buffer ``frame``; a copy of the model's next input (context + window) once a

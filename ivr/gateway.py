@@ -117,6 +117,7 @@ class Gateway:
             self.services.recordings.start()
         if self.services.turn_model is not None:
             await self.services.turn_model.start()  # a model that cannot load: words only
+        self.admission.lag.restart()  # what startup took is not load
         log.info(
             "gateway.started",
             instance=self.instance_id,

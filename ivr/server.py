@@ -114,6 +114,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             freeze_startup_heap()
+            self._gateway.admission.lag.restart()  # the collection's stall is not load
         if self.started and self._on_started is not None:
             self._on_started()
 

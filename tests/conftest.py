@@ -47,6 +47,11 @@ def provider_settings(**overrides: Any) -> Settings:
         # is on in tests/test_speculative_turns.py and in every test that runs `ivr serve`
         # with its defaults (the fault suites, the multi-instance and drain tests).
         "speculate_after_ms": 0,
+        # This gateway shares its event loop with the test's simulated Twilio, callers and
+        # fake servers, on a machine running another test suite worker: that loop's lag is
+        # not the gateway's load, and shedding calls on it would fail unrelated tests at
+        # random. tests/test_admission.py sets its own limit to test the shedding.
+        "max_loop_lag_ms": 0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -32,6 +32,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from ivr.admission import OVERFLOW_APOLOGY
 from ivr.config import Settings
+from ivr.obs.loop_lag import LoopLagMonitor
 from ivr.server import RunningServer, free_port
 from ivr.sim.caller import place_call
 from ivr.sim.report import CallReport
@@ -412,6 +413,27 @@ async def test_one_long_pause_does_not_make_the_instance_overloaded(
         status, body = await readyz(server)
     assert lag_samples_over(metrics, "0.25") >= before + 1  # measured and exported...
     assert status == 200 and body["overloaded"] is False, body  # ...but one is not a trend
+
+
+async def test_what_startup_blocks_is_not_held_against_a_new_instance() -> None:
+    # The monitor runs from the gateway's start; startup then blocks the loop on purpose
+    # (prompts, flows, a heap collection) and restarts it: the sample under way is dropped.
+    # The control, not restarted, holds the same stall against the instance.
+    restarted, control = (LoopLagMonitor(LAG_LIMIT_MS / 1000, interval=0.05) for _ in "ab")
+    tasks = [asyncio.create_task(m.run()) for m in (restarted, control)]
+    try:
+        await asyncio.sleep(0.01)
+        block_loop(0.4)  # startup's stall, mid-sample
+        restarted.restart()
+        await asyncio.sleep(0.02)  # both wake late and record (or drop) that sample
+        assert control.overloaded and control.lag > 0.3, control.lag
+        assert not restarted.overloaded and restarted.lag == 0.0, restarted.lag
+        await asyncio.sleep(0.2)
+        assert not restarted.overloaded and restarted.lag < LAG_LIMIT_MS / 1000
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_max_loop_lag_zero_never_reports_overloaded(

@@ -41,14 +41,22 @@ class LoopLagMonitor:
         self.window = window
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque()  # (woke at, lag)
+        self._epoch = 0  # bumped by restart(): a sample begun before it is dropped
 
     async def run(self) -> None:
         """Measure until cancelled."""
         while True:
-            before = self._clock()
+            before, epoch = self._clock(), self._epoch
             await asyncio.sleep(self.interval)
             now = self._clock()
-            self.record(now, max(0.0, now - before - self.interval))
+            if epoch == self._epoch:
+                self.record(now, max(0.0, now - before - self.interval))
+
+    def restart(self) -> None:
+        """Forget what was measured so far, the sample under way included: startup blocks the
+        loop on purpose (flows, prompts, a heap collection) and is not load to shed."""
+        self._samples.clear()
+        self._epoch += 1
 
     def record(self, now: float, lag: float) -> None:
         metrics.LOOP_LAG.observe(lag)

@@ -262,6 +262,14 @@ def test_no_engine_at_all_is_silence_endpointing() -> None:
         ("Can you tell me, uh", "any", None, "incomplete"),
         ("I think it was...", "any", None, "incomplete"),
         ("I want to pay my bill.", "any", None, "unknown"),
+        ("My account number is four five six", "any", None, "incomplete"),
+        ("My account number is 4, 5, 6.", "any", None, "incomplete"),
+        ("I'd like two tickets", "any", None, "unknown"),
+        ("I was born in 1985", "any", None, "unknown"),
+        ("Room 12", "any", None, "unknown"),
+        ("We moved to a new", "any", None, "incomplete"),
+        ("I want a refund", "any", None, "unknown"),
+        ("It's the same", "any", None, "unknown"),
         ("I think so.", "any", None, "unknown"),
         ("That's what it is.", "any", None, "unknown"),
         ("No, that's all. Thank you.", "any", None, "complete"),
@@ -310,9 +318,9 @@ def test_a_700_ms_mid_sentence_pause_is_never_cut_when_the_words_are_open() -> N
     for expect in expects:
         policy = policy_for(expect, digits=8 if expect == "digits" else None)
         verdicts = [text_completeness(cut, policy.expect, policy.digits) for cut in PAUSED]
-        # All but "We moved to a new", "Yes, that is" and (unless 8 digits are expected) "...
-        # number is four five six" end on an open word: the model decides those three.
-        assert verdicts.count("incomplete") >= 13, list(zip(PAUSED, verdicts, strict=True))
+        # All but "Yes, that is" (which may be a whole answer) end on an open word or a
+        # number being read out: the audio model decides that one.
+        assert verdicts.count("incomplete") >= 15, list(zip(PAUSED, verdicts, strict=True))
         for verdict in verdicts:
             if verdict == "incomplete":  # whatever the model says
                 assert silence_needed_ms(policy, 0.99, verdict) > 700

@@ -157,6 +157,13 @@ _CLOSING_PAIRS: Final = frozenset(
      ("i", "do"), ("i", "did"), ("i", "have"), ("i", "can"), ("i", "will"), ("i", "was"),
      ("one", "is")}
 )  # fmt: skip
+# A determiner and one of these with no noun after it leaves the noun phrase open ("we moved
+# to a new", "I need the old"). Only adjectives that hardly ever end a sentence after one ("the
+# same", "the other", "the last", "a little" do, so they are not here).
+_NOUN_OPENERS: Final = _words("a an the my your our their his her")
+_ATTRIBUTIVE: Final = _words(
+    "new old big small large different whole separate extra spare current previous"
+)
 _YES_NO: Final = _words(
     "yes yeah yep yup yea no nope nah correct right sure okay ok absolutely definitely "
     "negative affirmative"
@@ -178,15 +185,28 @@ def _digit_count(words: list[str]) -> int:
     return count
 
 
+def _reading_digits(words: list[str]) -> bool:
+    """The words end in two or more digits said one by one ("four five six", "4 5 6"): a
+    number being read out, which callers do in groups with pauses between them."""
+    run = 0
+    for word in reversed(words):
+        if word not in _DIGIT_WORDS and not (word.isdigit() and len(word) == 1):
+            break
+        run += 1
+    return run >= 2
+
+
 def text_completeness(
     transcript: str | None, expect: Expect = "any", digits: int | None = None
 ) -> Completeness:
     """Whether the words so far finish an answer of the kind ``expect``.
 
-    "incomplete": the last word leaves a clause open ("and", "the", "my number is", "uh"), the
-    transcript trails off ("..."), or fewer than ``digits`` digits have been said. "complete":
-    all ``digits`` digits are in, a yes/no answer to a yes/no question, or a closing phrase
-    ("thank you", "that's all"). Otherwise "unknown": the audio model and silence decide.
+    "incomplete": the last word leaves a clause open ("and", "the", "my number is", "uh") or a
+    noun phrase ("a new"), the transcript trails off ("..."), fewer than ``digits`` digits have
+    been said, or (other than a digits answer) it ends in digits read one by one: a number may
+    go on. "complete": all ``digits`` digits are in, a yes/no answer to a yes/no question, or
+    a closing phrase ("thank you", "that's all"). Otherwise "unknown": the audio model and
+    silence decide.
     """
     if transcript is None or not transcript.strip():
         return "unknown"
@@ -207,6 +227,10 @@ def text_completeness(
     if text.rstrip(".!?, ").endswith(_CLOSERS):
         return "complete"
     if last in _DANGLING and not closing:
+        return "incomplete"
+    if len(words) >= 2 and words[-2] in _NOUN_OPENERS and last in _ATTRIBUTIVE:
+        return "incomplete"
+    if expect != "digits" and _reading_digits(words):  # "digits" counts them itself
         return "incomplete"
     if expect == "yes_no" and (words[0] in _YES_NO or last in _YES_NO):
         return "complete"

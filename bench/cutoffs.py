@@ -20,8 +20,15 @@ Two ways to end a turn, on the same gateway code:
 - ``silence``: speculation off, so nothing is transcribed before the turn ends: 300 ms of
   silence ends every turn (the control, and what the gateway did before).
 
+``--stt cloud`` replaces whisper by the issue's simulated cloud STT: the local OpenAI-wire
+server answers in 150 ms with the words the audio holds, as said (the words up to the pause
+for audio that ends in it, the whole sentence otherwise). That measures the gateway's
+turn-taking alone; ``whisper`` adds what a small offline model mishears.
+
     .venv/bin/python bench/cutoffs.py                 # 16 sentences x 2 kinds x 2 modes (~6 min)
     .venv/bin/python bench/cutoffs.py --sentences 6 --modes words
+    .venv/bin/python bench/cutoffs.py --stt cloud      # the words as said, 150 ms
+    .venv/bin/python bench/cutoffs.py --stt cloud --turn-model smart-turn
 """
 
 from __future__ import annotations
@@ -46,13 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from turn_fixtures import PAIRS, paused_text
 
+from ivr.audio.endpointer import EndpointConfig
+from ivr.audio.wav import wav_to_pcm16
 from ivr.config import Settings
 from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.server import RunningServer, running_server
 from ivr.sim.caller import place_call
-from ivr.sim.script import script_from_data
-from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
+from ivr.sim.script import default_synthesize, script_from_data
+from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 from ivr.tts.openai_http import OpenAIHttpTts
 
 AUTH_TOKEN = "bench-auth-token"
@@ -60,6 +70,9 @@ PUBLIC_URL = "https://gw.example.com"
 PAUSE_S = 0.7
 MODES = {"words": 60, "silence": 0}
 """Mode -> IVR_SPECULATE_AFTER_MS."""
+STTS = ("whisper", "cloud")
+CLOUD_STT_S = 0.15
+"""The issue's simulated cloud STT: answers this long after the request."""
 FLOW = """
 name: bench
 start: assistant
@@ -94,17 +107,19 @@ def echo_reply(request: dict[str, Any]) -> ChatScript:
 
 @asynccontextmanager
 async def mode_gateway(
-    mode: str, flows: Path
+    mode: str, stt: str, turn_model: str, flows: Path
 ) -> AsyncIterator[tuple[RunningServer, FakeOpenAIServer]]:
     async with FakeOpenAIServer(api_key="sk-test") as fake:
         fake.chat = echo_reply
         settings = Settings(
             public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
             redis_url="", flows_dir=str(flows), max_loop_lag_ms=0, stt_provider="local",
-            speculate_after_ms=MODES[mode], turn_model="off",
+            speculate_after_ms=MODES[mode], turn_model=turn_model,
         )  # fmt: skip
+        cloud_stt = OpenAIHttpStt(base_url=fake.base_url, api_key="sk-test")
         gateway = build_gateway(
             settings,
+            stt=cloud_stt if stt == "cloud" else None,
             tts=OpenAIHttpTts(base_url=fake.base_url, api_key="sk-test"),
             llm=OpenAICompatLlm(base_url=fake.base_url, api_key="sk-test", model="bench"),
         )
@@ -129,9 +144,29 @@ def words(text: str) -> list[str]:
     return [w.strip(".,?!'").lower() for w in text.split() if w.strip(".,?!'")]
 
 
-async def run_trial(server: RunningServer, fake: FakeOpenAIServer, trial: Trial, cut: str) -> None:
+def words_as_said(trial: Trial, cut: str) -> Any:
+    """The simulated cloud STT for one trial: the words the audio holds. Audio that ends
+    before the words after the pause begin (the endpointer's pre-roll, the words before the
+    pause, the pause) holds the words before it; longer audio, the whole sentence."""
+    if trial.kind == "finished":
+        return lambda wav, form: trial.sentence
+    pcm, rate = default_synthesize(paused_text(cut))
+    before_pause_s = EndpointConfig().preroll_ms / 1000 + len(pcm) / 2 / rate + PAUSE_S
+
+    def transcribe(wav: bytes, form: dict[str, str]) -> str:
+        return cut if wav_to_pcm16(wav).seconds < before_pause_s else trial.sentence
+
+    return transcribe
+
+
+async def run_trial(
+    server: RunningServer, fake: FakeOpenAIServer, trial: Trial, cut: str, stt: str
+) -> None:
     fake.reset()
     fake.chat = echo_reply
+    if stt == "cloud":
+        fake.transcribe = words_as_said(trial, cut)
+        fake.faults["transcriptions"] = Fault(delay=CLOUD_STT_S)
     script = script_from_data({"steps": script_for(trial.kind, trial.sentence, cut)})
     report = await place_call(
         server.base_url, script=script, auth_token=AUTH_TOKEN, public_base_url=PUBLIC_URL
@@ -163,12 +198,12 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         (flows / "bench.yaml").write_text(FLOW)
         (flows / "routes.yaml").write_text("default: bench\n")
         for mode in args.modes.split(","):
-            async with mode_gateway(mode, flows) as (server, fake):
+            async with mode_gateway(mode, args.stt, args.turn_model, flows) as (server, fake):
                 for full, cut in pairs:
                     for kind in ("paused", "finished"):
                         trial = Trial(mode, kind, full)
                         try:
-                            await run_trial(server, fake, trial, cut)
+                            await run_trial(server, fake, trial, cut, args.stt)
                         except Exception as exc:  # a broken trial is reported, not fatal
                             trial.error = repr(exc)[:200]
                         trials.append(trial)
@@ -182,10 +217,14 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def print_table(trials: list[Trial], sentences: int) -> None:
+def print_table(trials: list[Trial], sentences: int, stt: str) -> None:
+    heard_by = {
+        "whisper": "offline STT whisper tiny.en",
+        "cloud": f"simulated cloud STT (the words as said, {CLOUD_STT_S * 1000:.0f} ms)",
+    }[stt]
     print(
         f"\nCut-offs: {sentences} sentences (espeak), a {PAUSE_S * 1000:.0f} ms pause "
-        "mid-sentence; offline STT whisper tiny.en; 300 ms endpoint silence"
+        f"mid-sentence; {heard_by}; 300 ms endpoint silence"
     )
     print(f"{'mode':8} {'cut-offs':>14} {'wait p50':>9} {'p95':>6} {'max':>6}  errors")
     for mode in dict.fromkeys(t.mode for t in trials):
@@ -212,12 +251,17 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sentences", type=int, default=len(PAIRS), help=f"<= {len(PAIRS)}")
     parser.add_argument("--modes", default="words,silence", help="of: " + ",".join(MODES))
+    parser.add_argument("--stt", choices=STTS, default="whisper", help="who hears the caller")
+    parser.add_argument(
+        "--turn-model", choices=("off", "smart-turn"), default="off", help="IVR_TURN_MODEL"
+    )
     parser.add_argument("--verbose", action="store_true", help="print every trial")
     args = parser.parse_args()
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
     trials = await run(args)
-    print_table(trials, min(args.sentences, len(PAIRS)))
+    print_table(trials, min(args.sentences, len(PAIRS)), args.stt)
+    print(f"turn model: {args.turn_model}")
     print(
         f"took {time.monotonic() - t0:.0f} s; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}"
     )

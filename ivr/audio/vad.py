@@ -261,8 +261,8 @@ class SileroVad:
     def is_speech(self, frame: bytes) -> bool:
         """Whether the caller speaks; a window the model failed to judge keeps the last
         verdict."""
-        verdict = self.judge(frame)
-        return self._speaking if verdict is None else verdict
+        self.judge(frame)  # None (failed) leaves _speaking as it was
+        return self._speaking
 
     def judge(self, frame: bytes) -> bool | None:
         """``is_speech``, but None when this frame completed a window the model failed to
@@ -281,8 +281,8 @@ class SileroVad:
     async def is_speech_async(self, frame: bytes) -> bool:
         """``is_speech``, with the window judged in a batch with other calls' windows; a
         window the model failed to judge keeps the last verdict."""
-        verdict = await self.judge_async(frame)
-        return self._speaking if verdict is None else verdict
+        await self.judge_async(frame)
+        return self._speaking
 
     async def judge_async(self, frame: bytes) -> bool | None:
         """``judge`` with the window judged in a batch with other calls' windows."""

@@ -324,7 +324,7 @@ class CallSession:
     async def _transcribe_pause(self, pcm16_8k: bytes, pause: int) -> str:
         audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
         try:
-            text = (await self._stt.transcribe(audio)).text.strip()
+            transcript = await self._stt.transcribe(audio)
         except ProviderError as exc:  # the turn asks again; counted like any provider failure
             metrics.count_provider_error("stt", exc.provider, exc)
             current, spec = self._pause_transcript, self._listen_spec
@@ -332,13 +332,14 @@ class CallSession:
                 # No words to judge by: silence decides, as without speculation.
                 self._endpointer.set_silence_ms(spec.turn.fallback_silence_ms)
             raise
+        text = transcript.text.strip()
         current = self._pause_transcript
         listener = self._tentative_listener
         # Still the caller's latest words and the turn not committed yet: let the flow start
         # on the reply (once committed, the STT worker delivers the text the normal way).
         if current is None or current.pause != pause:
             return text
-        verdict = self._judge_turn(text, pcm16_8k, pause)
+        verdict = self._judge_turn(text, pcm16_8k, pause, transcript.last_word_probability)
         # Words that leave a clause open will be followed by more: a reply to them is waste.
         if listener is not None and text and verdict != "incomplete":
             log.debug("speculation.transcript", pause=pause)
@@ -347,15 +348,20 @@ class CallSession:
 
     # -- end of turn ------------------------------------------------------------------------
 
-    def _judge_turn(self, text: str, pcm16_8k: bytes, pause: int) -> Completeness | None:
+    def _judge_turn(
+        self, text: str, pcm16_8k: bytes, pause: int, last_word_probability: float | None
+    ) -> Completeness | None:
         """Move the end of this turn by what the words so far say, and when they say nothing
         either way, by the audio turn model: an open clause ("my number is", "and") or digits
-        still missing wait the node's longest pause, a finished answer its shortest."""
+        still missing wait the node's longest pause, a finished answer its shortest, words
+        that may go on (or whose last word the STT doubts) halfway."""
         spec = self._listen_spec
         if spec is None:
             return None
         policy = spec.turn
-        verdict = text_completeness(text, policy.expect, policy.digits)
+        verdict = text_completeness(
+            text, policy.expect, policy.digits, last_word_probability=last_word_probability
+        )
         if verdict != "unknown" or self._turn_model is None:
             silence = silence_needed_ms(policy, None, verdict)
             self._endpointer.set_silence_ms(silence)

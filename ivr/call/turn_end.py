@@ -6,7 +6,8 @@ Three signals, combined by ``silence_needed_ms``:
   silence that may end the turn;
 * the transcript so far (``text_completeness``): "my number is", "and", "uh" or four digits of
   an eight-digit account number say the caller is not done; "yes" to a yes/no question says
-  they are;
+  they are; "yes, that is" or "and I have" may be either (an elliptical answer, or a clause
+  about to go on), so it waits between the two;
 * an audio end-of-turn model (``EndOfTurnDetector.audio_probability``, Smart Turn v3): the
   probability that the turn is complete, from its intonation and words.
 
@@ -37,7 +38,7 @@ log = structlog.get_logger("ivr.turn_end")
 
 Expect = Literal["any", "digits", "yes_no"]
 """What a listening node waits for: free speech, a number read out digit by digit, yes or no."""
-Completeness = Literal["complete", "incomplete", "unknown"]
+Completeness = Literal["complete", "incomplete", "unsure", "unknown"]
 Outcome = Literal["complete", "incomplete", "unavailable", "timeout", "error"]
 
 PHONE_RATE: Final = 8000
@@ -63,6 +64,14 @@ class TurnPolicy:
     it calls 40-50 % of mid-sentence pauses complete, often with p > 0.9)."""
     incomplete_below: float = 0.5
     """A model probability below this waits ``max_silence_ms``; otherwise the fallback."""
+
+    @property
+    def unsure_silence_ms(self) -> int:
+        """Words that may end the answer or go on ("yes, that is", "and I have"): halfway
+        between the fallback and the longest pause. Long enough for a caller who stops to
+        think mid-clause (a 700 ms pause with the defaults), short enough that an elliptical
+        answer ("Yes, it is.") is not held the full ``max_silence_ms``."""
+        return (self.fallback_silence_ms + self.max_silence_ms) // 2
 
     def __post_init__(self) -> None:
         if not 0 < self.min_silence_ms <= self.fallback_silence_ms <= self.max_silence_ms:
@@ -152,11 +161,18 @@ _DANGLING: Final = _words(
 # Endings that look dangling but close a sentence: "I think so", "what is it for".
 _CLOSING_PAIRS: Final = frozenset(
     {("think", "so"), ("hope", "so"), ("guess", "so"), ("believe", "so"), ("said", "so"),
-     ("it", "for"), ("that", "for"), ("what", "is"), ("it", "is"), ("that", "is"),
-     ("there", "is"), ("who", "is"), ("i", "am"),
-     ("i", "do"), ("i", "did"), ("i", "have"), ("i", "can"), ("i", "will"), ("i", "was"),
-     ("one", "is")}
+     ("it", "for"), ("that", "for")}
 )  # fmt: skip
+# A subject and its auxiliary with nothing after them: an elliptical answer ("Yes, that is.",
+# "No, I haven't... I have.") or a clause that goes on ("Yes, that is correct", "and I have a
+# question"). Neither finished nor open: "unsure". After a question word the clause is an
+# embedded one that is over ("that's what it is", "I know who it was").
+_ELLIPTICAL_PAIRS: Final = frozenset(
+    {("what", "is"), ("it", "is"), ("that", "is"), ("there", "is"), ("who", "is"),
+     ("one", "is"), ("i", "am"), ("i", "was"), ("i", "do"), ("i", "did"), ("i", "have"),
+     ("i", "can"), ("i", "will")}
+)  # fmt: skip
+_QUESTION_WORDS: Final = _words("what who where when how which why whatever")
 # A determiner and one of these with no noun after it leaves the noun phrase open ("we moved
 # to a new", "I need the old"). Only adjectives that hardly ever end a sentence after one ("the
 # same", "the other", "the last", "a little" do, so they are not here).
@@ -164,6 +180,12 @@ _NOUN_OPENERS: Final = _words("a an the my your our their his her")
 _ATTRIBUTIVE: Final = _words(
     "new old big small large different whole separate extra spare current previous"
 )
+NUMBER_DIGITS: Final = 10
+"""A number the caller names ("my number is ...") with fewer digits than this may go on."""
+UNSURE_LAST_WORD: Final = 0.8
+"""An STT's probability for the last word below this makes words that settle nothing
+"unsure": a small model "finishes" a dangling word ("the" -> "them.", "for" -> "for it.")
+with p 0.4-0.7, where a sentence's real last word mostly has 0.9 or more."""
 _YES_NO: Final = _words(
     "yes yeah yep yup yea no nope nah correct right sure okay ok absolutely definitely "
     "negative affirmative"
@@ -185,6 +207,20 @@ def _digit_count(words: list[str]) -> int:
     return count
 
 
+def _reading_a_number(words: list[str]) -> bool:
+    """The caller was saying which number ("my account number is 456"): it ends in digits
+    (as words or numerals) after they named it, fewer than a phone number has. An STT writes
+    "four five six" as "456", so the digits read one by one may come as one numeral."""
+    run = 0
+    for word in reversed(words):
+        if not (word.isdigit() or word in _DIGIT_WORDS):
+            break
+        run += 1
+    if run == 0 or "number" not in words[:-run]:
+        return False
+    return _digit_count(words[-run:]) < NUMBER_DIGITS
+
+
 def _reading_digits(words: list[str]) -> bool:
     """The words end in two or more digits said one by one ("four five six", "4 5 6"): a
     number being read out, which callers do in groups with pauses between them."""
@@ -197,7 +233,11 @@ def _reading_digits(words: list[str]) -> bool:
 
 
 def text_completeness(
-    transcript: str | None, expect: Expect = "any", digits: int | None = None
+    transcript: str | None,
+    expect: Expect = "any",
+    digits: int | None = None,
+    *,
+    last_word_probability: float | None = None,
 ) -> Completeness:
     """Whether the words so far finish an answer of the kind ``expect``.
 
@@ -205,8 +245,10 @@ def text_completeness(
     noun phrase ("a new"), the transcript trails off ("..."), fewer than ``digits`` digits have
     been said, or (other than a digits answer) it ends in digits read one by one: a number may
     go on. "complete": all ``digits`` digits are in, a yes/no answer to a yes/no question, or
-    a closing phrase ("thank you", "that's all"). Otherwise "unknown": the audio model and
-    silence decide.
+    a closing phrase ("thank you", "that's all"). "unsure": a subject and its auxiliary end
+    it ("yes, that is", "and I have"), which may be a whole answer or go on, or the STT was
+    not sure of the last word (``last_word_probability`` below ``UNSURE_LAST_WORD``).
+    Otherwise "unknown": the audio model and silence decide.
     """
     if transcript is None or not transcript.strip():
         return "unknown"
@@ -217,7 +259,9 @@ def text_completeness(
     if text.endswith(("...", "…", "-", "—")):
         return "incomplete"
     last = words[-1]
-    closing = len(words) >= 2 and (words[-2], last) in _CLOSING_PAIRS
+    pair = (words[-2], last) if len(words) >= 2 else None
+    elliptical = pair in _ELLIPTICAL_PAIRS and (len(words) < 3 or words[-3] not in _QUESTION_WORDS)
+    closing = pair in _CLOSING_PAIRS or pair in _ELLIPTICAL_PAIRS
     if expect == "digits":
         said = _digit_count(words)
         if digits is not None and said >= digits:
@@ -230,10 +274,14 @@ def text_completeness(
         return "incomplete"
     if len(words) >= 2 and words[-2] in _NOUN_OPENERS and last in _ATTRIBUTIVE:
         return "incomplete"
-    if expect != "digits" and _reading_digits(words):  # "digits" counts them itself
-        return "incomplete"
+    if expect != "digits" and (_reading_digits(words) or _reading_a_number(words)):
+        return "incomplete"  # a digits answer counts its digits itself
     if expect == "yes_no" and (words[0] in _YES_NO or last in _YES_NO):
         return "complete"
+    if elliptical:
+        return "unsure"
+    if last_word_probability is not None and last_word_probability < UNSURE_LAST_WORD:
+        return "unsure"
     return "unknown"
 
 
@@ -246,15 +294,17 @@ def silence_needed_ms(
     """Milliseconds of silence after the last speech that end the turn.
 
     The transcript decides when it can: an open clause or missing digits wait the longest
-    (``max_silence_ms``), a finished yes/no or digit answer the shortest (``min_silence_ms``).
-    Otherwise the model: below ``incomplete_below`` the longest wait, at or above
-    ``complete_above`` (when set) the shortest, else ``fallback_silence_ms``, which is also
-    the answer with neither signal.
+    (``max_silence_ms``), a finished yes/no or digit answer the shortest (``min_silence_ms``),
+    words that may go on or not ``unsure_silence_ms``. Otherwise the model: below
+    ``incomplete_below`` the longest wait, at or above ``complete_above`` (when set) the
+    shortest, else ``fallback_silence_ms``, which is also the answer with neither signal.
     """
     if text == "incomplete":
         return policy.max_silence_ms
     if text == "complete":
         return policy.min_silence_ms
+    if text == "unsure":
+        return policy.unsure_silence_ms
     if p_audio is None:
         return policy.fallback_silence_ms
     if policy.complete_above is not None and p_audio >= policy.complete_above:

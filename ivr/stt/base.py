@@ -12,6 +12,10 @@ class Transcript:
     """What the caller said, as the engine heard it ("" when nothing was recognised)."""
     seconds: float
     """Wall time the engine took, for the stage histogram."""
+    last_word_probability: float | None = None
+    """How sure the engine is of the last word (0-1), when it says. A small model tends to
+    turn a dangling word into one that closes the sentence ("for" -> "for it.", "the" ->
+    "them."), and then says so with a low probability: the end of turn waits longer."""
 
 
 class SpeechToText(Protocol):

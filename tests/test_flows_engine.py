@@ -23,6 +23,7 @@ from ivr.flows.events import (
     HttpResult,
     IntentClassified,
     Listen,
+    LlmReplied,
     Resumed,
     Say,
     Transfer,
@@ -339,3 +340,34 @@ def test_a_step_leaves_no_garbage_for_the_cycle_collector() -> None:
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_words_after_a_reply_nobody_heard_join_the_sentence_it_answered() -> None:
+    # The caller paused mid-sentence, the pause was taken for the end of the turn and the
+    # reply was cut before a word of it was heard: the rest of the sentence is the same turn.
+    state, _ = run(AGENT, new_state(AGENT, env={}), CallStarted())
+    state, _ = run(AGENT, state, CallerSaid("Yes, that is"))
+    state, actions = run(AGENT, state, LlmReplied("", interrupted=True))
+    assert isinstance(actions[-1], Listen)
+    state, actions = run(AGENT, state, CallerSaid("correct."))
+    turn = actions[-1]
+    assert isinstance(turn, AgentTurn)
+    assert [m.content for m in turn.messages[1:]] == ["Hi.", "Yes, that is correct."]
+    assert state.vars["last_input"] == "Yes, that is correct."
+
+
+def test_words_after_a_reply_the_caller_heard_part_of_are_a_turn_of_their_own() -> None:
+    state, _ = run(AGENT, new_state(AGENT, env={}), CallStarted())
+    state, _ = run(AGENT, state, CallerSaid("What time is it?"))
+    state, _ = run(AGENT, state, LlmReplied("It is", interrupted=True))
+    state, actions = run(AGENT, state, CallerSaid("Sorry, in Paris."))
+    turn = actions[-1]
+    assert isinstance(turn, AgentTurn)
+    contents = [m.content for m in turn.messages[1:]]
+    assert contents == ["Hi.", "What time is it?", "It is", "Sorry, in Paris."]
+    # A reply heard whole, then the caller: a turn of its own too.
+    state, _ = run(AGENT, state, LlmReplied("Noon in Paris."))
+    state, actions = run(AGENT, state, CallerSaid("Thanks."))
+    turn = actions[-1]
+    assert isinstance(turn, AgentTurn)
+    assert [m.content for m in turn.messages[-2:]] == ["Noon in Paris.", "Thanks."]

@@ -8,12 +8,15 @@ OpenAI's wire formats (FakeOpenAIServer), so every request below really went ove
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
 
+from ivr.audio.wav import wav_to_pcm16
 from ivr.config import CLOUD_HEARD_WITHIN
 from ivr.server import RunningServer
 from ivr.sim.caller import place_call
@@ -204,6 +207,84 @@ async def test_a_700_ms_pause_after_an_open_clause_does_not_end_the_turn(
     async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
         report = await dial(server, PAUSE_TO_LOOK_IT_UP)
     assert_one_reply_to_the_whole_sentence(report, fake_openai)
+
+
+def voiced_s(wav: bytes) -> float:
+    """Seconds of a request's audio louder than -40 dBFS (20 ms frames): how much was said."""
+    audio = wav_to_pcm16(wav)
+    x = np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float64)
+    frame = audio.sample_rate // 50
+    frames = x[: len(x) // frame * frame].reshape(-1, frame)
+    loud = np.sqrt((frames**2).mean(axis=1)) > 32768 * 10 ** (-40 / 20)
+    return float(loud.sum()) / 50
+
+
+def heard_before_the_caller_finished(report: CallReport) -> list[float]:
+    """Bot audio that reached the caller before their last words ended (a cut-off)."""
+    caller = [t for t in report.turns if t.caller_text is not None]
+    done = caller[-1].caller_end_t
+    return [
+        t.bot_first_audio_t
+        for t in caller
+        if t.bot_first_audio_t is not None and t.bot_first_audio_t < done
+    ]
+
+
+async def test_a_700_ms_pause_after_words_that_may_go_on_does_not_end_the_turn(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # "I think that is" may be a whole answer or go on ("... correct"): the turn waits
+    # halfway to the longest pause (900 ms), past the caller's 700 ms pause; the 300 ms it
+    # waited before cut them off.
+    fake_openai.transcribe = lambda wav, form: (
+        "I think that is correct" if voiced_s(wav) > 1.0 else "I think that is"
+    )
+    fake_openai.chat = answer_by_last_words
+    script: list[Any] = [
+        {"say": "I think that is,", "wait": False},
+        {"silence": 0.7},
+        {"say": "correct.", "wait": False},
+    ]
+    async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
+        report = await dial(server, script)
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert heard_before_the_caller_finished(report) == [], report.format_transcript()
+    chats = [c.json for c in fake_openai.requests_for("chat") if c.json is not None]
+    users = [[m["content"] for m in chat["messages"] if m["role"] == "user"] for chat in chats]
+    assert users[-1] == ["I think that is correct"], users
+
+
+async def test_a_caller_who_goes_on_after_their_turn_ended_is_answered_whole(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The turn ends at the caller's pause (they paused longer than it waits) and the reply is
+    # on its way, slow, when they go on: "right". Before a word of the reply was heard, that
+    # is the rest of their sentence, not a backchannel to a reply they never heard: the reply
+    # is dropped and the model is asked about the whole sentence, as one caller message.
+    fake_openai.transcribe = lambda wav, form: "I think that is" if voiced_s(wav) > 0.6 else "right"
+
+    def slow_unless_whole(request: dict[str, Any]) -> ChatScript:
+        reply = answer_by_last_words(request)
+        if "right" in request["messages"][-1]["content"]:
+            return reply
+        return replace(reply, first_token_delay=1.5)  # still coming when the caller goes on
+
+    fake_openai.chat = slow_unless_whole
+    script: list[Any] = [
+        {"say": "I think that is,", "wait": False},
+        {"silence": 1.1},  # longer than the 900 ms that "that is" waits
+        {"say": "right.", "wait": False},
+        {"silence": 2.5},
+    ]
+    async with gateway_factory(speculate_after_ms=60, turn_model="off") as server:
+        report = await dial(server, script)
+    assert not report.errors and not report.violations, report.format_transcript()
+    chats = [c.json for c in fake_openai.requests_for("chat") if c.json is not None]
+    users = [[m["content"] for m in chat["messages"] if m["role"] == "user"] for chat in chats]
+    assert users[-1] == ["I think that is right"], users
+    spoken = " ".join(r.json["input"] for r in fake_openai.requests_for("speech") if r.json)
+    assert "You said I think that is right." in spoken, spoken
+    assert heard_before_the_caller_finished(report) == [], report.format_transcript()
 
 
 async def test_words_that_come_after_the_endpoint_silence_still_keep_the_turn_open(

@@ -738,13 +738,30 @@ class CallSession:
         """A transcript is in. Over the bot, words that do not take the floor (none, or only
         backchannel) are swallowed and a paused prompt resumes; a real turn makes the pause
         an interruption, and the flow gets the words (queued first: the flow, woken by the
-        interruption, must find them)."""
+        interruption, must find them).
+
+        A reply to the caller's turn paused before they heard any of it answers nothing yet:
+        words then are the caller going on with that turn ("yes, that is ... right"), never a
+        backchannel to it, so they interrupt it whatever they are. (A prompt that answers no
+        turn, such as the greeting, keeps the usual rule: "okay" does not skip it.)"""
         paused = self._paused_speech
         over_bot = self._last_utterance_over_bot
         self._last_utterance_over_bot = False
         bot_on = paused is not None or (over_bot and self._speech is not None)
-        if bot_on and isinstance(item, Utterance) and not self._policy.is_real_turn(item.text):
-            self._resume(Outcome.BACKCHANNEL if words_of(item.text) else Outcome.RESUMED, item.text)
+        words = words_of(item.text) if isinstance(item, Utterance) else []
+        unheard = (
+            paused is not None
+            and paused.turn is not None
+            and not paused.heard_anything
+            and bool(words)
+        )
+        if (
+            bot_on
+            and isinstance(item, Utterance)
+            and not unheard
+            and not self._policy.is_real_turn(item.text)
+        ):
+            self._resume(Outcome.BACKCHANNEL if words else Outcome.RESUMED, item.text)
             return
         self._put_input(item)
         if paused is not None:

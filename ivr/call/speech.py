@@ -114,6 +114,13 @@ class SpeechHandle:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def heard_anything(self) -> bool:
+        """Some of this utterance's audio has reached the caller's ear (so far, or before
+        the pause)."""
+        now = self._clock()
+        return any(s.heard_fraction(now) > 0.0 for s in self._segments)
+
     # -- pausing (the caller may be interrupting) -----------------------------------------
 
     async def pause(self) -> None:

@@ -109,16 +109,21 @@ class AgentSteps:
     def caller_input(
         self, node: AgentNode, event: CallerSaid | CallerPressed | CallerSilent
     ) -> None:
+        history = self.state.history
+        goes_on = self.state.reply_unheard and bool(history) and history[-1].role == "user"
+        self.state.reply_unheard = False
         if isinstance(event, CallerPressed):
             text = f"(the caller pressed {event.digits})"
         elif isinstance(event, CallerSaid) and event.text.strip():
             text = event.text.strip()
+            if goes_on:  # the rest of the sentence the unheard reply was asked for
+                text = f"{history.pop().content} {text}"
         else:
             self._no_input(node)
             return
         self.state.attempts = 0
         self.state.vars["last_input"] = text
-        self.state.history.append(HistoryItem(role="user", content=text))
+        history.append(HistoryItem(role="user", content=text))
         self._trim_history()
         self.state.tool_rounds = 0
         self.state.tool_errors = 0
@@ -184,7 +189,15 @@ class AgentSteps:
             self.state.pending_tools = calls[:MAX_CALLS_PER_REPLY]
             self._run_pending_tools(node)
         else:
+            at = self.state.node
             self._turn_done(node)
+            # Joined to the caller's next words only if they answer this node's listen.
+            self.state.reply_unheard = (
+                event.interrupted
+                and not event.text_heard
+                and self.state.node == at
+                and self.state.waiting == "input"
+            )
 
     def _turn_done(self, node: AgentNode) -> None:
         self.state.agent_turns += 1

@@ -96,6 +96,10 @@ class FlowState(BaseModel):
     pending_tools: list[ToolCallData] = Field(default_factory=list)
     pending_answer: str | None = None
     history: list[HistoryItem] = Field(default_factory=list)
+    reply_unheard: bool = False
+    """The agent's last reply was cut before the caller heard a word of it: they had not
+    finished (a pause mid-sentence taken for the end), so their next words join the caller
+    message it answered instead of starting a new one."""
     outcome: Outcome | None = None
     transfer_to: str | None = None
     transfer_result: str | None = None

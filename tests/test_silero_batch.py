@@ -11,12 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 from structlog.testing import capture_logs
 
+from ivr.audio import vad as vad_module
 from ivr.audio.endpointer import Endpointer, EndpointEvent
 from ivr.audio.gated_vad import GatedSileroVad, SileroPool
 from ivr.audio.vad import SileroModel, SileroVad
+from ivr.sim.caller import place_call
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
 
 SENTENCES = (
     "I would like to check my account balance, please.",
@@ -175,7 +179,9 @@ class FailingSession:
 
 
 @pytest.fixture
-def failing_model() -> Iterator[FailingSession]:
+def failing_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[FailingSession]:
+    # The warning is once per 10 s for the process: each test starts as a fresh process would.
+    monkeypatch.setattr(vad_module, "_warned_at", -vad_module._WARN_EVERY_S)
     model = SileroModel.shared()
     real = model._session
     session = FailingSession(real)
@@ -221,3 +227,33 @@ async def test_silero_alone_keeps_its_last_verdict_through_a_failure_and_recover
         verdicts.append(await vad.is_speech_async(frame))
     assert vad.failed_windows == failing_model.failed > 0
     assert any(verdicts[40:]) and not verdicts[-1], "after the failure: the speech, its end"
+
+
+async def test_a_call_whose_silero_runs_all_fail_is_still_heard_and_answered(
+    failing_model: FailingSession,
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+) -> None:
+    # The whole path: a gateway with the default VAD (Silero gated by WebRTC), a simulated
+    # Twilio call, and every Silero run in the process failing. The caller's turn is still
+    # found (WebRTC decides each window), transcribed and answered; the call ends normally.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = lambda request: ChatScript(text="We open at nine.")
+    with capture_logs() as logs:
+        async with gateway_factory(vad="silero") as server:
+            report = await place_call(
+                server.base_url,
+                script=["What are your opening hours?"],
+                auth_token=AUTH_TOKEN,
+                public_base_url=PUBLIC_URL,
+            )
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert failing_model.failed > 10
+    [turn] = [t for t in report.turns if t.caller_text is not None]
+    assert turn.bot_audio_seconds > 0 and turn.latency_s is not None, report.format_transcript()
+    assert turn.latency_s < 1.5, turn.latency_s
+    chats = fake_openai.requests_for("chat")
+    assert len(chats) == 1 and chats[0].json is not None
+    assert chats[0].json["messages"][-1]["content"] == "what are your opening hours"
+    warnings = [entry for entry in logs if entry["event"] == "vad.model_failed"]
+    assert 1 <= len(warnings) <= 2, warnings  # once per 10 s for the process, not per window

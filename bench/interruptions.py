@@ -15,10 +15,14 @@ While it speaks, the caller produces one of:
 Per kind it prints: **false %** (the announcement was abandoned: the caller did not hear all
 of it), **paused %** (a ``clear`` was sent, the announcement resumed), and for real ones
 **missed %** (no ``clear``) and the ``clear`` latency from the caller's speech onset (the first
-frame of the clip leaving the caller; +-10 ms) p50/p95.
+frame of the clip leaving the caller; +-10 ms) p50/p95. For paused trials, **gap** p50/max: the
+silence the pause put into the announcement (the bot's audio span minus its audio, less the
+same for the announcement heard uninterrupted). STT answers after ``--stt-ms`` (the issue's
+150 ms).
 
     .venv/bin/python bench/interruptions.py                      # 20 trials per kind, 4 lanes
     .venv/bin/python bench/interruptions.py --trials 50 --lanes 5 --vad silero --json
+    .venv/bin/python bench/interruptions.py --kinds backchannel --trials 12
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
 from ivr.stt.openai_http import OpenAIHttpStt
-from ivr.testing.openai_server import FakeOpenAIServer
+from ivr.testing.openai_server import FakeOpenAIServer, Fault
 from ivr.tts.openai_http import OpenAIHttpTts
 
 AUTH_TOKEN = "bench-auth-token"
@@ -93,7 +97,21 @@ class Trial:
     heard_s: float = 0.0
     clears: int = 0
     clear_latency_s: float | None = None
+    silent_s: float = 0.0
+    """Silence inside the bot's audio span as the caller heard it."""
     error: str = ""
+
+
+def silent_seconds(report: CallReport) -> float:
+    """The bot's audio span at the caller (first audio to last) minus its audio."""
+    spans = [
+        (t.bot_first_audio_t, t.bot_audio_end_t)
+        for t in report.turns
+        if t.bot_first_audio_t is not None and t.bot_audio_end_t is not None
+    ]
+    if not spans:
+        return 0.0
+    return max(e for _, e in spans) - min(s for s, _ in spans) - report.bot_audio_s
 
 
 def speak_24k(text: str) -> bytes:
@@ -113,13 +131,14 @@ def write_wav(path: Path, pcm16: bytes) -> None:
 
 @asynccontextmanager
 async def lane_gateway(
-    vad: str, flows: Path
+    vad: str, flows: Path, speculate_after_ms: int = 60
 ) -> AsyncIterator[tuple[RunningServer, FakeOpenAIServer]]:
     async with FakeOpenAIServer(api_key="sk-test") as fake:
         fake.speak = speak_24k
         settings = Settings(
             public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
             redis_url="", flows_dir=str(flows), vad=vad, max_loop_lag_ms=0,
+            speculate_after_ms=speculate_after_ms,
         )  # fmt: skip
         base = fake.base_url
         gateway = build_gateway(
@@ -155,9 +174,15 @@ def plan(trials: int, seed: int, workdir: Path) -> list[tuple[Trial, dict[str, A
 
 
 async def run_trial(
-    server: RunningServer, fake: FakeOpenAIServer, trial: Trial, step: dict[str, Any], text: str
+    server: RunningServer,
+    fake: FakeOpenAIServer,
+    trial: Trial,
+    step: dict[str, Any],
+    text: str,
+    stt_s: float,
 ) -> None:
     fake.transcribe = lambda wav, form: text
+    fake.faults["transcriptions"] = Fault(delay=stt_s)
     steps = [step, {"silence": 20.0}, {"hangup": None}]
     script = script_from_data({"steps": steps, "wait_for_greeting": False})
     echo = LineEcho(0.1, -20.0) if trial.kind.endswith("echo") else None
@@ -172,6 +197,7 @@ async def run_trial(
         trial.error = "; ".join(report.errors + [v.reason for v in report.violations])
     trial.heard_s = report.bot_audio_s
     trial.clears = len(report.clears)
+    trial.silent_s = silent_seconds(report)
     # The caller starts talking `after` seconds into the bot's audio (the clip's first frame
     # leaves within 20 ms; its first 10 ms are quiet): onset is known to about +-10 ms.
     first = report.turns[0].bot_first_audio_t if report.turns else None
@@ -188,17 +214,18 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         flows.mkdir()
         (flows / "bench.yaml").write_text(FLOW)
         (flows / "routes.yaml").write_text("default: bench\n")
-        todo = plan(args.trials, args.seed, workdir)
+        kinds = args.kinds.split(",")
+        todo = [item for item in plan(args.trials, args.seed, workdir) if item[0].kind in kinds]
         queue: asyncio.Queue[tuple[Trial, dict[str, Any], str]] = asyncio.Queue()
         for item in todo:
             queue.put_nowait(item)
 
         async def lane() -> None:
-            async with lane_gateway(args.vad, flows) as (server, fake):
+            async with lane_gateway(args.vad, flows, args.speculate_after_ms) as (server, fake):
                 while not queue.empty():
                     trial, step, text = queue.get_nowait()
                     try:
-                        await run_trial(server, fake, trial, step, text)
+                        await run_trial(server, fake, trial, step, text, args.stt_ms / 1000)
                     except Exception as exc:  # a broken trial is reported, not fatal
                         trial.error = repr(exc)
 
@@ -206,7 +233,7 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         return [t for t, _, _ in todo]
 
 
-def summarise(trials: list[Trial], full_s: float) -> dict[str, dict[str, Any]]:
+def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         mine = [t for t in trials if t.kind == kind and not t.error]
@@ -231,6 +258,11 @@ def summarise(trials: list[Trial], full_s: float) -> dict[str, dict[str, Any]]:
         else:
             row["false_pct"] = 100 * abandoned / n
             row["paused_pct"] = 100 * paused / n
+            gaps = sorted(
+                t.silent_s - silent_s for t in mine if t.clears > 0 and t.heard_s >= full_s - 0.3
+            )
+            row["gap_p50_ms"] = 1000 * statistics.median(gaps) if gaps else None
+            row["gap_max_ms"] = 1000 * gaps[-1] if gaps else None
         out[kind] = row
     return out
 
@@ -238,7 +270,8 @@ def summarise(trials: list[Trial], full_s: float) -> dict[str, dict[str, Any]]:
 def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> None:
     print(f"\n{label}  (announcement {full_s:.2f} s)")
     print(f"{'kind':<12} {'n':>4} {'false %':>8} {'paused %':>9} {'missed %':>9} "
-          f"{'clear p50':>10} {'clear p95':>10} {'max':>6} {'err':>4}")  # fmt: skip
+          f"{'clear p50':>10} {'clear p95':>10} {'max':>6} {'gap p50':>8} {'max':>6} "
+          f"{'err':>4}")  # fmt: skip
 
     def cell(v: Any, w: int, unit: str = "") -> str:
         return f"{'-':>{w}}" if v is None else f"{v:>{w - len(unit)}.0f}{unit}"
@@ -248,12 +281,14 @@ def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> N
             f"{kind:<12} {r['n']:>4} {cell(r.get('false_pct'), 8)} {cell(r.get('paused_pct'), 9)} "
             f"{cell(r.get('missed_pct'), 9)} {cell(r.get('clear_p50_ms'), 10, 'ms')} "
             f"{cell(r.get('clear_p95_ms'), 10, 'ms')} {cell(r.get('clear_max_ms'), 6)} "
+            f"{cell(r.get('gap_p50_ms'), 8, 'ms')} {cell(r.get('gap_max_ms'), 6)} "
             f"{r['errors']:>4}"
         )
 
 
-async def announcement_seconds(vad: str) -> float:
-    """The whole announcement as the caller hears it with nobody talking over it."""
+async def announcement_seconds(vad: str) -> tuple[float, float]:
+    """The whole announcement as the caller hears it with nobody talking over it: its audio,
+    and the silence between its sentences."""
     with tempfile.TemporaryDirectory() as tmp:
         flows = Path(tmp)
         (flows / "bench.yaml").write_text(FLOW)
@@ -265,7 +300,7 @@ async def announcement_seconds(vad: str) -> float:
                 auth_token=AUTH_TOKEN,
                 public_base_url=PUBLIC_URL,
             )
-    return report.bot_audio_s
+    return report.bot_audio_s, silent_seconds(report)
 
 
 async def main() -> None:
@@ -275,15 +310,23 @@ async def main() -> None:
     parser.add_argument("--lanes", type=int, default=3, help="calls at once (one gateway each)")
     parser.add_argument("--vad", default="silero", choices=["silero", "webrtc"])
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="of: " + ",".join(KINDS))
+    parser.add_argument("--stt-ms", type=int, default=150, help="fake STT delay")
+    parser.add_argument(
+        "--speculate-after-ms",
+        type=int,
+        default=60,
+        help="IVR_SPECULATE_AFTER_MS: 0 judges words over the bot only once the caller stops",
+    )
     parser.add_argument("--label", default="this build")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="print every trial")
     args = parser.parse_args()
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
-    full_s = await announcement_seconds(args.vad)
+    full_s, silent_s = await announcement_seconds(args.vad)
     trials = await run(args)
-    rows = summarise(trials, full_s)
+    rows = summarise(trials, full_s, silent_s)
     print_table(f"{args.label}: vad={args.vad}, {args.trials} trials per kind", rows, full_s)
     errors = [t for t in trials if t.error]
     for t in errors[:5]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,10 +18,12 @@ import pytest
 import soxr
 from audio_fixtures import speech_pcm16, trimmed
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from prometheus_client import REGISTRY
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
 from ivr.audio.voicing import voiced_frames
+from ivr.audio.wav import wav_to_pcm16
 from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
 from ivr.call.player import AudioPlayer, phrase_start
 from ivr.engines.espeak_tts import synthesize_pcm16
@@ -262,18 +265,22 @@ async def announce_call(
     tmp_path: Path,
     steps: list[object],
     *,
-    transcript: str = "",
+    transcript: str | Callable[[bytes, dict[str, str]], str] = "",
     echo: LineEcho | None = None,
     policy: str = "",
+    speculate_after_ms: int = 0,
 ) -> tuple[CallReport, dict[str, float]]:
     """One call whose bot reads ANNOUNCEMENT (~10 s) then hangs up; the caller does ``steps``.
-    Returns the report and the barge-in counters this call added, by outcome."""
+    Returns the report and the barge-in counters this call added, by outcome.
+    ``speculate_after_ms``: the pause at which words over a paused prompt are transcribed
+    early (0: only when the caller's utterance ends)."""
     fake.speak = speak_24k
-    fake.transcribe = lambda wav, form: transcript
+    fake.transcribe = transcript if callable(transcript) else lambda wav, form: transcript
     (tmp_path / "routes.yaml").write_text("default: t\n")
     (tmp_path / "t.yaml").write_text(announcement_flow(policy))
     script = script_from_data({"steps": [*steps, {"silence": 20}], "wait_for_greeting": False})
-    async with gateway_factory(flows_dir=str(tmp_path)) as server:
+    settings = {"flows_dir": str(tmp_path), "speculate_after_ms": speculate_after_ms}
+    async with gateway_factory(**settings) as server:
         before = await barge_ins(server.base_url)
         report = await place_call(
             server.base_url,
@@ -314,6 +321,60 @@ async def test_a_backchannel_pauses_the_bot_which_then_resumes_its_sentence(
     assert len(report.clears) == 1, "a backchannel pauses the bot (one clear) ..."
     assert report.bot_audio_s > FULL_S, "... and the announcement is heard to its end"
     assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
+
+
+@pytest.mark.slow
+async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    # With speculation on, "uh-huh" is transcribed 60 ms into the pause after it, and the bot
+    # goes on from there instead of ~250 ms later when the caller's utterance has ended. That
+    # one request is the utterance's verdict: it is not transcribed again.
+    early = {"stage": "stt", "outcome": "used"}
+    before = REGISTRY.get_sample_value("ivr_speculations_total", early) or 0.0
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        transcript="Uh-huh.",
+        speculate_after_ms=60,
+    )
+    assert len(report.clears) == 1 and report.bot_audio_s > FULL_S
+    assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
+    assert counted.get("speech/resumed", 0) == 0
+    assert len(fake_openai.requests_for("transcriptions")) == 1
+    assert (REGISTRY.get_sample_value("ivr_speculations_total", early) or 0.0) == before + 1
+
+
+def voiced_s(wav: bytes) -> float:
+    """Seconds of a request's audio above -40 dBFS (20 ms frames): how much was said."""
+    audio = wav_to_pcm16(wav)
+    x = np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float64)
+    frame = audio.sample_rate // 50
+    frames = x[: len(x) // frame * frame].reshape(-1, frame)
+    return float((np.sqrt((frames**2).mean(axis=1)) > 328).sum()) / 50
+
+
+@pytest.mark.slow
+async def test_a_backchannel_that_goes_on_into_a_sentence_still_interrupts(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    # "Okay," alone is a backchannel and the bot goes on at its pause; then the caller goes
+    # on talking: the bot pauses again, and the whole utterance's words take the floor.
+    said = "Okay, so what about my bill then?"
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": said, "after": 1.5}}],
+        transcript=lambda wav, form: "Okay." if voiced_s(wav) < 0.9 else said,
+        speculate_after_ms=60,
+    )
+    assert counted.get("speech/interrupted") == 1, counted
+    assert report.bot_audio_s < 4.0, "the announcement went on after the interruption"
+    if counted.get("speech/backchannel"):  # espeak's comma made a pause: resumed, then paused
+        assert len(report.clears) == 2, report.format_transcript()
 
 
 @pytest.mark.slow

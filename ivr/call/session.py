@@ -79,6 +79,9 @@ a later answer no longer moves the end."""
 WORDS_WAIT_SLACK_MS = 150
 """A pause waiting for its words ends this long before the STT deadline: the turn's end, the
 STT worker and the re-ask's first frame all fit in it (a few ms each)."""
+BACKCHANNEL_MAX_MS = 1200
+"""Caller speech over a paused prompt longer than this is not transcribed at its pauses: a
+backchannel ("uh-huh", "okay", "I see") is shorter, and each early request costs one."""
 STT_QUEUE_SIZE = 4
 
 
@@ -190,6 +193,10 @@ class CallSession:
         """Paused for caller speech, waiting for its transcript to stand or resume."""
         self._last_utterance_over_bot = False
         self._pause_deadline: asyncio.TimerHandle | None = None
+        self._early_verdict: asyncio.Task[None] | None = None
+        """Transcribing the caller's words over a paused prompt at their first pause."""
+        self._resumed_early = False
+        """The paused prompt went on at that pause: the words were a backchannel."""
 
     # -- inbound (called by the stream's receive loop) ------------------------------------
 
@@ -258,6 +265,13 @@ class CallSession:
             return
         if isinstance(event, SpeechResumed):
             self._drop_speculation()
+            self._cancel_early_verdict()
+            if self._resumed_early:  # more than a backchannel: pause again, the words decide
+                self._resumed_early = False
+                speech = self._speech
+                if speech is not None and speech.can_be_interrupted:
+                    self._paused_speech = speech
+                    await speech.pause()
             return
         if isinstance(event, SpeechStarted):
             self._caller_speaking = True
@@ -297,6 +311,10 @@ class CallSession:
 
     def _on_pause(self, event: SpeechPaused) -> None:
         self._drop_speculation()
+        if self._paused_speech is not None:
+            if event.speech_ms <= BACKCHANNEL_MAX_MS:  # longer is no "uh-huh": wait for it all
+                self._judge_words_early(event.audio, self._paused_speech)
+            return
         if not self._speculating():
             return
         log.debug("speculation.pause", pause=event.pause, speech_ms=event.speech_ms)
@@ -415,6 +433,10 @@ class CallSession:
         if pause is not None and not pause.task.done():
             pause.task.cancel()
             await asyncio.gather(pause.task, return_exceptions=True)
+        early, self._early_verdict = self._early_verdict, None
+        if early is not None and not early.done():
+            early.cancel()
+            await asyncio.gather(early, return_exceptions=True)
         await self._speech_prefetch.aclose()
 
     def _end_caller_speech(self) -> None:
@@ -704,6 +726,10 @@ class CallSession:
         """An utterance is over: too short (a paused prompt resumes), or only ever the bot's
         echo or a noise while the bot was audible (dropped: the bot never stopped for it)."""
         judged = self._judge.end()
+        self._cancel_early_verdict()
+        if self._resumed_early:  # its words were judged at its pause: the bot went on
+            self._resumed_early = False
+            return True
         if isinstance(event, SpeechDiscarded):
             if self._paused_speech is not None:
                 self._resume(Outcome.RESUMED, "")
@@ -768,6 +794,42 @@ class CallSession:
             self._paused_speech = None
             self._cancel_pause_deadline()
             await paused.interrupt("speech")
+
+    def _judge_words_early(self, pcm16_8k: bytes, speech: SpeechHandle) -> None:
+        """The caller paused in their sound over a paused prompt: their words so far may be
+        a backchannel already ("uh-huh" ends in such a pause). Ask now rather than after the
+        endpoint silence, so the prompt goes on ~250 ms sooner."""
+        self._cancel_early_verdict()
+        self._early_verdict = asyncio.create_task(
+            self._resume_on_backchannel(pcm16_8k, speech), name="early-barge-in-verdict"
+        )
+
+    async def _resume_on_backchannel(self, pcm16_8k: bytes, speech: SpeechHandle) -> None:
+        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
+        try:
+            text = (await self._stt.transcribe(audio)).text.strip()
+        except ProviderError:  # the utterance's own transcript decides, as without this
+            metrics.SPECULATION.labels("stt", "failed").inc()
+            return
+        except Exception:  # a bug here must not end the call: the utterance's words decide
+            log.exception("barge_in.early_verdict_failed")
+            return
+        words = words_of(text)
+        backchannel = (
+            self._paused_speech is speech
+            and bool(words)
+            and not self._policy.is_real_turn(text)
+            and (speech.turn is None or speech.heard_anything)  # see _deliver
+        )
+        metrics.SPECULATION.labels("stt", "used" if backchannel else "wasted").inc()
+        if backchannel:
+            self._resumed_early = True
+            self._resume(Outcome.BACKCHANNEL, text)
+
+    def _cancel_early_verdict(self) -> None:
+        task, self._early_verdict = self._early_verdict, None
+        if task is not None and not task.done():
+            task.cancel()
 
     def _cancel_pause_deadline(self) -> None:
         if self._pause_deadline is not None:

@@ -16,14 +16,13 @@ import httpx
 import numpy as np
 import pytest
 import soxr
-from audio_fixtures import speech_pcm16, trimmed
+from audio_fixtures import speech_pcm16, trimmed, voiced_seconds
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
 from ivr.audio.voicing import voiced_frames
-from ivr.audio.wav import wav_to_pcm16
 from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
 from ivr.call.player import AudioPlayer, phrase_start
 from ivr.engines.espeak_tts import synthesize_pcm16
@@ -347,15 +346,6 @@ async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint
     assert (REGISTRY.get_sample_value("ivr_speculations_total", early) or 0.0) == before + 1
 
 
-def voiced_s(wav: bytes) -> float:
-    """Seconds of a request's audio above -40 dBFS (20 ms frames): how much was said."""
-    audio = wav_to_pcm16(wav)
-    x = np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float64)
-    frame = audio.sample_rate // 50
-    frames = x[: len(x) // frame * frame].reshape(-1, frame)
-    return float((np.sqrt((frames**2).mean(axis=1)) > 328).sum()) / 50
-
-
 @pytest.mark.slow
 async def test_a_backchannel_that_goes_on_into_a_sentence_still_interrupts(
     gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
@@ -368,7 +358,7 @@ async def test_a_backchannel_that_goes_on_into_a_sentence_still_interrupts(
         fake_openai,
         tmp_path,
         [{"barge_in": {"say": said, "after": 1.5}}],
-        transcript=lambda wav, form: "Okay." if voiced_s(wav) < 0.9 else said,
+        transcript=lambda wav, form: "Okay." if voiced_seconds(wav) < 0.9 else said,
         speculate_after_ms=60,
     )
     assert counted.get("speech/interrupted") == 1, counted

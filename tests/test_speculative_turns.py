@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import pytest
+from audio_fixtures import voiced_seconds
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
 
-from ivr.audio.wav import wav_to_pcm16
 from ivr.config import CLOUD_HEARD_WITHIN
 from ivr.server import RunningServer
 from ivr.sim.caller import place_call
@@ -209,16 +208,6 @@ async def test_a_700_ms_pause_after_an_open_clause_does_not_end_the_turn(
     assert_one_reply_to_the_whole_sentence(report, fake_openai)
 
 
-def voiced_s(wav: bytes) -> float:
-    """Seconds of a request's audio louder than -40 dBFS (20 ms frames): how much was said."""
-    audio = wav_to_pcm16(wav)
-    x = np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float64)
-    frame = audio.sample_rate // 50
-    frames = x[: len(x) // frame * frame].reshape(-1, frame)
-    loud = np.sqrt((frames**2).mean(axis=1)) > 32768 * 10 ** (-40 / 20)
-    return float(loud.sum()) / 50
-
-
 def heard_before_the_caller_finished(report: CallReport) -> list[float]:
     """Bot audio that reached the caller before their last words ended (a cut-off)."""
     caller = [t for t in report.turns if t.caller_text is not None]
@@ -237,7 +226,7 @@ async def test_a_700_ms_pause_after_words_that_may_go_on_does_not_end_the_turn(
     # halfway to the longest pause (900 ms), past the caller's 700 ms pause; the 300 ms it
     # waited before cut them off.
     fake_openai.transcribe = lambda wav, form: (
-        "I think that is correct" if voiced_s(wav) > 1.0 else "I think that is"
+        "I think that is correct" if voiced_seconds(wav) > 1.0 else "I think that is"
     )
     fake_openai.chat = answer_by_last_words
     script: list[Any] = [
@@ -261,7 +250,9 @@ async def test_a_caller_who_goes_on_after_their_turn_ended_is_answered_whole(
     # on its way, slow, when they go on: "right". Before a word of the reply was heard, that
     # is the rest of their sentence, not a backchannel to a reply they never heard: the reply
     # is dropped and the model is asked about the whole sentence, as one caller message.
-    fake_openai.transcribe = lambda wav, form: "I think that is" if voiced_s(wav) > 0.6 else "right"
+    fake_openai.transcribe = lambda wav, form: (
+        "I think that is" if voiced_seconds(wav) > 0.6 else "right"
+    )
 
     def slow_unless_whole(request: dict[str, Any]) -> ChatScript:
         reply = answer_by_last_words(request)

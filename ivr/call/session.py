@@ -829,7 +829,8 @@ class CallSession:
     def _cancel_early_verdict(self) -> None:
         task, self._early_verdict = self._early_verdict, None
         if task is not None and not task.done():
-            task.cancel()
+            task.cancel()  # the caller went on, or stopped: the utterance's words decide
+            metrics.SPECULATION.labels("stt", "wasted").inc()
 
     def _cancel_pause_deadline(self) -> None:
         if self._pause_deadline is not None:

@@ -774,26 +774,25 @@ class CallSession:
         over_bot = self._last_utterance_over_bot
         self._last_utterance_over_bot = False
         bot_on = paused is not None or (over_bot and self._speech is not None)
-        words = words_of(item.text) if isinstance(item, Utterance) else []
-        unheard = (
-            paused is not None
-            and paused.turn is not None
-            and not paused.heard_anything
-            and bool(words)
-        )
-        if (
-            bot_on
-            and isinstance(item, Utterance)
-            and not unheard
-            and not self._policy.is_real_turn(item.text)
-        ):
-            self._resume(Outcome.BACKCHANNEL if words else Outcome.RESUMED, item.text)
+        if bot_on and isinstance(item, Utterance) and self._only_listening(paused, item.text):
+            outcome = Outcome.BACKCHANNEL if words_of(item.text) else Outcome.RESUMED
+            self._resume(outcome, item.text)
             return
         self._put_input(item)
         if paused is not None:
             self._paused_speech = None
             self._cancel_pause_deadline()
             await paused.interrupt("speech")
+
+    def _only_listening(self, paused: SpeechHandle | None, text: str) -> bool:
+        """The caller's words over the bot do not take the floor: none, or only backchannel.
+        Over a reply to their turn (``paused``) that they heard none of, any word does: it
+        goes on with that turn (see ``_deliver``)."""
+        if not words_of(text):
+            return True
+        if paused is not None and paused.turn is not None and not paused.heard_anything:
+            return False
+        return not self._policy.is_real_turn(text)
 
     def _judge_words_early(self, pcm16_8k: bytes, speech: SpeechHandle) -> None:
         """The caller paused in their sound over a paused prompt: their words so far may be
@@ -814,12 +813,10 @@ class CallSession:
         except Exception:  # a bug here must not end the call: the utterance's words decide
             log.exception("barge_in.early_verdict_failed")
             return
-        words = words_of(text)
         backchannel = (
             self._paused_speech is speech
-            and bool(words)
-            and not self._policy.is_real_turn(text)
-            and (speech.turn is None or speech.heard_anything)  # see _deliver
+            and bool(words_of(text))  # no words yet: the whole utterance decides
+            and self._only_listening(speech, text)
         )
         metrics.SPECULATION.labels("stt", "used" if backchannel else "wasted").inc()
         if backchannel:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
@@ -207,15 +208,21 @@ def _digit_count(words: list[str]) -> int:
     return count
 
 
+def _trailing(words: list[str], digit: Callable[[str], bool]) -> int:
+    """How many of the last words are ``digit``s."""
+    run = 0
+    for word in reversed(words):
+        if not digit(word):
+            break
+        run += 1
+    return run
+
+
 def _reading_a_number(words: list[str]) -> bool:
     """The caller was saying which number ("my account number is 456"): it ends in digits
     (as words or numerals) after they named it, fewer than a phone number has. An STT writes
     "four five six" as "456", so the digits read one by one may come as one numeral."""
-    run = 0
-    for word in reversed(words):
-        if not (word.isdigit() or word in _DIGIT_WORDS):
-            break
-        run += 1
+    run = _trailing(words, lambda w: w.isdigit() or w in _DIGIT_WORDS)
     if run == 0 or "number" not in words[:-run]:
         return False
     return _digit_count(words[-run:]) < NUMBER_DIGITS
@@ -224,12 +231,7 @@ def _reading_a_number(words: list[str]) -> bool:
 def _reading_digits(words: list[str]) -> bool:
     """The words end in two or more digits said one by one ("four five six", "4 5 6"): a
     number being read out, which callers do in groups with pauses between them."""
-    run = 0
-    for word in reversed(words):
-        if word not in _DIGIT_WORDS and not (word.isdigit() and len(word) == 1):
-            break
-        run += 1
-    return run >= 2
+    return _trailing(words, lambda w: w in _DIGIT_WORDS or (w.isdigit() and len(w) == 1)) >= 2
 
 
 def text_completeness(

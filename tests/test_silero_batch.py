@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from gateway_support import GatewayFactory, dial
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 from structlog.testing import capture_logs
 
@@ -19,7 +19,6 @@ from ivr.audio import vad as vad_module
 from ivr.audio.endpointer import Endpointer, EndpointEvent
 from ivr.audio.gated_vad import GatedSileroVad, SileroPool
 from ivr.audio.vad import SileroModel, SileroVad
-from ivr.sim.caller import place_call
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
 
 SENTENCES = (
@@ -241,12 +240,7 @@ async def test_a_call_whose_silero_runs_all_fail_is_still_heard_and_answered(
     fake_openai.chat = lambda request: ChatScript(text="We open at nine.")
     with capture_logs() as logs:
         async with gateway_factory(vad="silero") as server:
-            report = await place_call(
-                server.base_url,
-                script=["What are your opening hours?"],
-                auth_token=AUTH_TOKEN,
-                public_base_url=PUBLIC_URL,
-            )
+            report = await dial(server, ["What are your opening hours?"])
     assert not report.errors and not report.violations, report.format_transcript()
     assert failing_model.failed > 10
     [turn] = [t for t in report.turns if t.caller_text is not None]

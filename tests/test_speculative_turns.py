@@ -13,23 +13,14 @@ from typing import Any
 
 import pytest
 from audio_fixtures import voiced_seconds
-from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from gateway_support import GatewayFactory, dial
 from prometheus_client import REGISTRY
 
 from ivr.config import CLOUD_HEARD_WITHIN
-from ivr.server import RunningServer
-from ivr.sim.caller import place_call
 from ivr.sim.report import CallReport
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 pytestmark = pytest.mark.slow
-
-
-async def dial(server: RunningServer, script: list[Any]) -> CallReport:
-    """One simulated Twilio call at ``server`` speaking ``script``."""
-    return await place_call(
-        server.base_url, script=script, auth_token=AUTH_TOKEN, public_base_url=PUBLIC_URL
-    )
 
 
 def speculations(stage: str, outcome: str) -> float:

@@ -35,7 +35,7 @@ from ivr.sim.caller import LineEcho, place_call
 from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
-from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
+from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 
 def phone(pcm16: bytes) -> np.ndarray:
@@ -344,6 +344,36 @@ async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint
     assert counted.get("speech/resumed", 0) == 0
     assert len(fake_openai.requests_for("transcriptions")) == 1
     assert (REGISTRY.get_sample_value("ivr_speculations_total", early) or 0.0) == before + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault",
+    [Fault(hang=True, times=1), Fault(status=500, times=1), Fault(drop=True, times=1)],
+    ids=["stalls", "500", "reset"],
+)
+async def test_an_early_verdict_whose_stt_fails_leaves_the_utterance_to_decide(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, fault: Fault
+) -> None:
+    # The STT request made at the backchannel's pause stalls, fails or is reset: the caller
+    # hears no difference but a wait, the bot pauses and then goes on once the utterance's
+    # own words (or the client's retry) say "uh-huh", and the announcement is heard whole.
+    fake_openai.faults["transcriptions"] = fault
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        transcript="Uh-huh.",
+        speculate_after_ms=60,
+    )
+    assert len(report.clears) == 1 and report.bot_audio_s > FULL_S, report.format_transcript()
+    assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
+    assert len(fake_openai.requests_for("transcriptions")) >= 2  # the failed one, and another
+    spans = [(t.bot_first_audio_t, t.bot_audio_end_t) for t in report.turns]
+    heard = [(a, b) for a, b in spans if a is not None and b is not None]
+    silent = max(b for _, b in heard) - min(a for a, _ in heard) - report.bot_audio_s
+    assert silent < 1.5, f"the bot stayed silent {silent:.2f} s in all"
 
 
 @pytest.mark.slow

@@ -89,18 +89,14 @@ class LocalWhisperStt:
         job = loop.run_in_executor(self._executor, self._decode, audio)
         try:
             # The timeout includes time queued behind other calls: that is what the caller waits.
-            text, last_word_probability = await asyncio.wait_for(job, self._timeout_s)
+            text = await asyncio.wait_for(job, self._timeout_s)
         except TimeoutError:
             raise ProviderTimeout(_NAME, self._timeout_s) from None
         except Exception as exc:
             raise ProviderError(_NAME, f"decode failed: {exc!r}") from exc
-        return Transcript(
-            text=text,
-            seconds=time.perf_counter() - started,
-            last_word_probability=last_word_probability,
-        )
+        return Transcript(text=text, seconds=time.perf_counter() - started)
 
-    def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> tuple[str, float | None]:
+    def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> str:
         segments, _info = self._model.transcribe(
             audio,
             language="en",
@@ -108,17 +104,15 @@ class LocalWhisperStt:
             temperature=0.0,  # no fallback re-decodes: bounds the cost on noisy audio
             vad_filter=False,  # the gateway has already endpointed the utterance
             condition_on_previous_text=False,
-            # Words, for the last one's probability (the end of turn's). The alignment pass
-            # costs ~30 ms an utterance here (median 383 -> 420 ms on the 32 piper clips of
-            # tests/turn_fixtures.py); what it saves is a reply that cuts the caller off.
-            word_timestamps=True,
+            # No word timestamps, though the last word's probability would help the end of
+            # turn (Transcript.last_word_probability): with them faster-whisper decodes the
+            # tail again and, primed with a prompt, invents words ("Goodbye." -> "Goodbye.
+            # Bye.") at 2-3x the time (the demo's question step went from 0.6 to 5 s).
+            without_timestamps=True,
             initial_prompt=self._prompt,
         )
         # Segments are lazy: the decoding happens here, inside the worker thread.
-        segments = list(segments)
-        words = [w for seg in segments for w in (seg.words or [])]
-        text = " ".join(seg.text.strip() for seg in segments).strip()
-        return text, (float(words[-1].probability) if words else None)
+        return " ".join(seg.text.strip() for seg in segments).strip()
 
     async def aclose(self) -> None:
         # A decode already running finishes (CTranslate2 cannot be interrupted); queued ones drop.

@@ -59,8 +59,12 @@ async def test_the_agent_answers_where_the_shop_is_from_the_knowledge_file(
 ) -> None:
     assert demo_call.record is not None
     history = demo_call.record.history
+    # On failure: the whole history and what the caller heard, to tell a misheard question
+    # from a model that answered a right one wrongly.
+    call = "\n".join(f"{m.role}: {m.content!r}" for m in history)
+    call += "\n" + demo_call.report.format_transcript()
     asked = [i for i, m in enumerate(history) if m.role == "user" and "shop" in m.content.lower()]
-    assert asked, [m.content for m in history]
+    assert asked, call
     answer = history[asked[0] + 1]
-    assert answer.role == "assistant", answer
-    assert street_address().lower() in answer.content.lower(), answer.content
+    assert answer.role == "assistant", call
+    assert street_address().lower() in answer.content.lower(), call

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 import soxr
 
+from ivr.call.turn_end import UNSURE_LAST_WORD
 from ivr.engines.espeak_tts import LocalEspeakTts, synthesize_pcm16
 from ivr.engines.piper_tts import LocalPiperTts, split_clauses
 from ivr.engines.whisper_stt import LocalWhisperStt
@@ -82,6 +83,23 @@ async def test_piper_speech_through_the_phone_channel_is_understood_by_whisper(
     assert "balance" in heard_words, heard.text
     assert heard_words & {"forty", "40"}, heard.text
     assert heard.seconds > 0
+
+
+async def test_whisper_is_sure_of_the_last_word_of_a_sentence_it_heard_well(
+    stt: LocalWhisperStt, piper: LocalPiperTts
+) -> None:
+    pcm = await collect(piper.synthesize("Your current balance is forty dollars."))
+    audio = phone_channel(pcm, piper.sample_rate)
+    greedy = LocalWhisperStt()  # the gateway's default: beam search keeps no per-step scores
+    try:
+        heard = await greedy.transcribe(audio)
+    finally:
+        await greedy.aclose()
+    assert words(heard.text) & {"dollars", "40"}, heard.text
+    # From the decode's own scores (no word-timestamp pass): the last word is what it heard.
+    assert heard.last_word_probability is not None, heard
+    assert heard.last_word_probability >= UNSURE_LAST_WORD, heard
+    assert (await stt.transcribe(audio)).last_word_probability is None  # beam_size=5
 
 
 async def test_piper_yields_its_first_chunk_before_the_rest_of_a_three_clause_text(

@@ -4,6 +4,7 @@ fallbacks when the model is missing, broken, late or busy, and the per-node ``tu
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,7 @@ from turn_fixtures import (
     PAUSED,
     espeak_clip,
     paused_text,
+    piper_clips,
     silence,
 )
 
@@ -42,6 +44,7 @@ from ivr.engines.smart_turn import (
     log_mel,
     model_input,
 )
+from ivr.engines.whisper_stt import last_word_probability
 from ivr.errors import ProviderError
 from ivr.flows.loader import check_flow_text, load_flow_text
 from ivr.flows.model import AgentNode, AskNode, MenuNode
@@ -319,6 +322,56 @@ def test_a_number_named_and_an_unsure_last_word_leave_the_turn_open_longer() -> 
     assert text_completeness("I'd like a table for it.", last_word_probability=0.97) == "unknown"
     assert text_completeness("I'd like a table for", last_word_probability=0.99) == "incomplete"
     assert text_completeness("Yes.", "yes_no", last_word_probability=0.5) == "complete"
+
+
+def test_the_last_word_is_its_tokens_and_trailing_punctuation_averaged() -> None:
+    vocabulary = 5
+
+    def step(chosen: int, p: float) -> list[float]:
+        # Log-probabilities: ``p`` on the chosen token, the rest shared by the others.
+        rest = (1 - p) / (vocabulary - 1)
+        return [math.log(p if t == chosen else rest) for t in range(vocabulary)]
+
+    pieces = [" I", " need", " the", " cam", "era", "."]
+    tokens = [0, 1, 2, 3, 4, 0]
+    scores = [step(0, 0.9), step(1, 0.9), step(2, 0.9), step(3, 0.2), step(4, 0.6), step(0, 0.7)]
+    # " cam" + "era" + "." is the last word: (0.2 + 0.6 + 0.7) / 3.
+    assert last_word_probability(tokens, scores, pieces) == pytest.approx(0.5)
+    assert last_word_probability(tokens[:3], scores[:3], pieces[:3]) == pytest.approx(0.9)
+    assert last_word_probability([0], [step(0, 0.7)], ["."]) is None  # punctuation only
+    # Raw logits (not normalised) give the same answer: the scores are log-softmaxed.
+    shifted = [[x + 3.0 for x in s] for s in scores]
+    assert last_word_probability(tokens, shifted, pieces) == pytest.approx(0.5)
+
+
+def test_whisper_s_words_at_a_mid_sentence_pause_never_end_the_turn_early() -> None:
+    # The offline STT on a voice it hears well (piper), 60 ms into each of the 16 pauses (as
+    # speculation transcribes them): it drops or rewrites the dangling word ("the" -> "them.",
+    # "and" -> "end.", "four five six" -> "456."), and the rules still hold every turn open
+    # past a 700 ms pause with its words and the last word's probability.
+    from ivr.audio.resample import resample
+    from ivr.engines.whisper_stt import LocalWhisperStt
+
+    tail = 2 * round(8000 * 0.14)  # the clips' 200 ms of pause -> 60 ms
+    clips = [clip[:-tail] for clip in piper_clips([paused_text(cut) for cut in PAUSED])]
+
+    async def transcribe_all() -> list[tuple[str, float | None]]:
+        stt = LocalWhisperStt()
+        try:
+            heard = [await stt.transcribe(resample(c, 8000, stt.sample_rate)) for c in clips]
+        finally:
+            await stt.aclose()
+        return [(t.text, t.last_word_probability) for t in heard]
+
+    heard = asyncio.run(transcribe_all())
+    policy = policy_for("any")
+    waits = {
+        text: silence_needed_ms(policy, None, text_completeness(text, last_word_probability=p))
+        for text, p in heard
+    }
+    early = {text: ms for text, ms in waits.items() if ms <= 700}
+    assert len(early) <= 1, (early, heard)  # a mishearing that looks finished may slip through
+    assert all(p is not None and 0.0 <= p <= 1.0 for _, p in heard), heard
 
 
 # ---------------------------------------------------------------- the policy

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -68,6 +68,9 @@ from ivr.testing.openai_wire import (
 T = TypeVar("T")
 JSON_CHUNK_BYTES = 8
 """A JSON answer broken by ``Fault.after_chunks`` goes out in pieces of this size."""
+
+_CLIENT_LEFT = 499
+"""nginx's "client closed request": recorded, never sent (the client is gone)."""
 
 
 @dataclass(slots=True)
@@ -387,7 +390,11 @@ class FakeOpenAIServer:
 
     @staticmethod
     def _finish(rec: RecordedRequest, response: Response, outcome: str = "completed") -> Response:
-        rec.outcome = "error" if response.status_code >= 400 else outcome
+        if response.status_code == _CLIENT_LEFT:
+            outcome = "disconnected"
+        elif response.status_code >= 400:
+            outcome = "error"
+        rec.outcome = outcome
         rec.finished.set()
         return response
 
@@ -412,6 +419,8 @@ class FakeOpenAIServer:
             rec.json = await request.json()
         except ValueError as exc:
             return openai_error(400, f"Request body is not JSON: {exc}")
+        except ClientDisconnect:  # the client cancelled while sending (a dropped speculation)
+            return Response(status_code=_CLIENT_LEFT)
         return await self._precheck(endpoint, request, rec)
 
     # ---- POST /v1/chat/completions ---------------------------------------------------
@@ -477,12 +486,15 @@ class FakeOpenAIServer:
 
     async def _transcriptions(self, request: Request) -> Response:
         rec = self._record("transcriptions", request)
-        async with request.form() as form:
-            rec.form = {k: v for k, v in form.items() if isinstance(v, str)}
-            upload = form.get("file")
-            if isinstance(upload, UploadFile):
-                rec.files["file"] = await upload.read()
-                rec.form["file.filename"] = upload.filename or ""
+        try:
+            async with request.form() as form:
+                rec.form = {k: v for k, v in form.items() if isinstance(v, str)}
+                upload = form.get("file")
+                if isinstance(upload, UploadFile):
+                    rec.files["file"] = await upload.read()
+                    rec.form["file.filename"] = upload.filename or ""
+        except ClientDisconnect:  # the client cancelled while uploading (a dropped speculation)
+            return self._finish(rec, Response(status_code=_CLIENT_LEFT))
         if (early := await self._precheck("transcriptions", request, rec)) is not None:
             return self._finish(rec, early)
         if "file" not in rec.files or not rec.form.get("model"):

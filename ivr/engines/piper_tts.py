@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -90,12 +90,17 @@ class LocalPiperTts:
         self.sample_rate = 22050  # confirmed from the voice config in warm()
         self.rendered_pieces = 0
         """Pieces rendered since creation (lets tests see that cancelled work stopped)."""
-        self._in_flight = 0
+        self._jobs: set[Future[bytes]] = set()  # touched only on the event loop
 
     @property
     def rendering(self) -> bool:
-        """True while the worker thread is inside an ONNX run."""
-        return self._in_flight > 0
+        """True while a piece handed to the worker thread is queued or running.
+
+        Judged by the job, not by a flag set inside the thread: a job the worker has taken
+        but not yet started can no longer be cancelled, and must count as rendering.
+        """
+        self._jobs = {job for job in self._jobs if not job.done()}
+        return bool(self._jobs)
 
     async def warm(self) -> None:
         """Load the voice now (about 1-4 s) rather than on the first reply."""
@@ -129,10 +134,12 @@ class LocalPiperTts:
     async def _produce(
         self, pieces: list[list[int]], queue: asyncio.Queue[bytes | Exception | None]
     ) -> None:
-        loop = asyncio.get_running_loop()
         try:
             for ids in pieces:
-                pcm = await loop.run_in_executor(self._executor, self._render, ids)
+                job = self._executor.submit(self._render, ids)
+                self._jobs.add(job)
+                # Cancelling this task cancels the job if the worker has not taken it yet.
+                pcm = await asyncio.wrap_future(job)
                 if pcm:
                     await queue.put(pcm)  # waits while the consumer is behind: bounded buffering
         except Exception as exc:
@@ -150,13 +157,9 @@ class LocalPiperTts:
         ]
 
     def _render(self, ids: list[int]) -> bytes:
-        self._in_flight += 1
-        try:
-            audio = np.asarray(self._voice.phoneme_ids_to_audio(ids), dtype=np.float32)
-            # Counted before the flag drops: whoever sees ``rendering`` false sees the count.
-            self.rendered_pieces += 1
-        finally:
-            self._in_flight -= 1
+        audio = np.asarray(self._voice.phoneme_ids_to_audio(ids), dtype=np.float32)
+        # Counted before the job completes: whoever sees ``rendering`` false sees the count.
+        self.rendered_pieces += 1
         # Same loudness rule as piper's own synthesize(): peak-normalise each chunk.
         peak = float(np.max(np.abs(audio))) if audio.size else 0.0
         if peak < 1e-8:

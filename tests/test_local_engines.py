@@ -86,17 +86,20 @@ async def test_piper_speech_through_the_phone_channel_is_understood_by_whisper(
 
 
 async def test_whisper_is_sure_of_the_last_word_of_a_sentence_it_heard_well(
-    stt: LocalWhisperStt, piper: LocalPiperTts
+    stt: LocalWhisperStt,
 ) -> None:
-    pcm = await collect(piper.synthesize("Your current balance is forty dollars."))
-    audio = phone_channel(pcm, piper.sample_rate)
+    # espeak (repeatable, unlike piper's noisy renders) on the phrase whisper hears reliably.
+    tts = LocalEspeakTts()
+    await tts.warm()
+    pcm = await collect(tts.synthesize("Please connect me to an agent."))
+    audio = phone_channel(pcm, tts.sample_rate)
     greedy = LocalWhisperStt()  # the gateway's default: beam search keeps no per-step scores
     try:
         heard = await greedy.transcribe(audio)
     finally:
         await greedy.aclose()
-    assert words(heard.text) & {"dollars", "40"}, heard.text
-    # From the decode's own scores (no word-timestamp pass): the last word is what it heard.
+    assert "agent" in words(heard.text), heard.text
+    # From the decode's own scores (no word-timestamp pass): ~0.9 for "agent." here.
     assert heard.last_word_probability is not None, heard
     assert heard.last_word_probability >= UNSURE_LAST_WORD, heard
     assert (await stt.transcribe(audio)).last_word_probability is None  # beam_size=5

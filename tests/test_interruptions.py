@@ -322,6 +322,20 @@ async def test_a_backchannel_pauses_the_bot_which_then_resumes_its_sentence(
     assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
 
 
+async def uh_huh_with_early_verdicts(
+    gateway_factory: GatewayFactory, fake: FakeOpenAIServer, tmp_path: Path
+) -> tuple[CallReport, dict[str, float]]:
+    """ "uh-huh" 1.5 s into the announcement, with speculation (the early verdict) on."""
+    return await announce_call(
+        gateway_factory,
+        fake,
+        tmp_path,
+        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        transcript="Uh-huh.",
+        speculate_after_ms=60,
+    )
+
+
 @pytest.mark.slow
 async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint(
     gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
@@ -331,14 +345,7 @@ async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint
     # one request is the utterance's verdict: it is not transcribed again.
     early = {"stage": "stt", "outcome": "used"}
     before = REGISTRY.get_sample_value("ivr_speculations_total", early) or 0.0
-    report, counted = await announce_call(
-        gateway_factory,
-        fake_openai,
-        tmp_path,
-        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
-        transcript="Uh-huh.",
-        speculate_after_ms=60,
-    )
+    report, counted = await uh_huh_with_early_verdicts(gateway_factory, fake_openai, tmp_path)
     assert len(report.clears) == 1 and report.bot_audio_s > FULL_S
     assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
     assert counted.get("speech/resumed", 0) == 0
@@ -359,14 +366,7 @@ async def test_an_early_verdict_whose_stt_fails_leaves_the_utterance_to_decide(
     # hears no difference but a wait, the bot pauses and then goes on once the utterance's
     # own words (or the client's retry) say "uh-huh", and the announcement is heard whole.
     fake_openai.faults["transcriptions"] = fault
-    report, counted = await announce_call(
-        gateway_factory,
-        fake_openai,
-        tmp_path,
-        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
-        transcript="Uh-huh.",
-        speculate_after_ms=60,
-    )
+    report, counted = await uh_huh_with_early_verdicts(gateway_factory, fake_openai, tmp_path)
     assert len(report.clears) == 1 and report.bot_audio_s > FULL_S, report.format_transcript()
     assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
     assert len(fake_openai.requests_for("transcriptions")) >= 2  # the failed one, and another

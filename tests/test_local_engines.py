@@ -60,16 +60,22 @@ async def piper() -> AsyncIterator[LocalPiperTts]:
     await engine.aclose()
 
 
+async def espeak_on_the_line(text: str) -> tuple[bytes, int]:
+    """``text`` by espeak through the phone channel (16 kHz PCM16), and espeak's own rate.
+    espeak is hard for whisper tiny ("balance" -> "Madeline"); "Please connect me to an
+    agent." is a phrase it hears reliably."""
+    tts = LocalEspeakTts()
+    await tts.warm()
+    pcm = await collect(tts.synthesize(text))
+    return phone_channel(pcm, tts.sample_rate), tts.sample_rate
+
+
 async def test_espeak_speech_through_the_phone_channel_is_understood_by_whisper(
     stt: LocalWhisperStt,
 ) -> None:
-    tts = LocalEspeakTts()
-    await tts.warm()
-    # espeak through the phone channel is hard for whisper tiny ("balance" -> "Madeline"):
-    # this phrase is one it hears reliably.
-    pcm = await collect(tts.synthesize("Please connect me to an agent."))
-    heard = await stt.transcribe(phone_channel(pcm, tts.sample_rate))
-    assert tts.sample_rate == 22050
+    audio, rate = await espeak_on_the_line("Please connect me to an agent.")
+    heard = await stt.transcribe(audio)
+    assert rate == 22050
     assert {"connect", "agent"} <= words(heard.text), heard.text
 
 
@@ -89,10 +95,7 @@ async def test_whisper_is_sure_of_the_last_word_of_a_sentence_it_heard_well(
     stt: LocalWhisperStt,
 ) -> None:
     # espeak (repeatable, unlike piper's noisy renders) on the phrase whisper hears reliably.
-    tts = LocalEspeakTts()
-    await tts.warm()
-    pcm = await collect(tts.synthesize("Please connect me to an agent."))
-    audio = phone_channel(pcm, tts.sample_rate)
+    audio, _rate = await espeak_on_the_line("Please connect me to an agent.")
     greedy = LocalWhisperStt()  # the gateway's default: beam search keeps no per-step scores
     try:
         heard = await greedy.transcribe(audio)

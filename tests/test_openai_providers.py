@@ -312,26 +312,39 @@ async def test_stt_uploads_a_wav_of_the_right_rate_and_length_as_multipart(srv):
     assert wav.sample_rate == 16_000 and wav.pcm16 == pcm and wav.seconds == 0.75
 
 
-async def test_an_upload_the_client_abandons_is_recorded_as_disconnected(srv):
-    # A speculative transcription the gateway cancels mid-upload: the server must record it
+@pytest.mark.parametrize(
+    ("endpoint", "path", "content_type", "body_start"),
+    [
+        (
+            "transcriptions",
+            "/v1/audio/transcriptions",
+            "multipart/form-data; boundary=cut",
+            '--cut\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n',
+        ),
+        ("chat", "/v1/chat/completions", "application/json", '{"model": "m", "messages": ['),
+    ],
+    ids=["upload", "json"],
+)
+async def test_a_body_the_client_abandons_is_recorded_as_disconnected(
+    srv, endpoint, path, content_type, body_start
+):
+    # A speculative request the gateway cancels while sending it: the server must record it
     # as the client leaving (it used to leave the request unfinished, with a traceback).
     url = httpx.URL(srv.base_url)
     head = (
-        "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: fake\r\n"
-        f"Authorization: Bearer {KEY}\r\n"
-        "Content-Type: multipart/form-data; boundary=cut\r\nContent-Length: 100000\r\n\r\n"
-        '--cut\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+        f"POST {path} HTTP/1.1\r\nHost: fake\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: 100000\r\n\r\n{body_start}"
     )
     reader, writer = await asyncio.open_connection(url.host, url.port)
-    writer.write(head.encode() + bytes(4000))
+    writer.write(head.encode() + b" " * 4000)
     await writer.drain()
     for _ in range(100):
-        if srv.requests_for("transcriptions"):
+        if srv.requests_for(endpoint):
             break
         await asyncio.sleep(0.02)
     writer.close()
     await writer.wait_closed()
-    rec = srv.requests_for("transcriptions")[0]
+    rec = srv.requests_for(endpoint)[0]
     assert await finished(rec)
     assert rec.outcome == "disconnected"
     assert not await reader.read()  # nothing was answered

@@ -96,7 +96,8 @@ async def test_whisper_is_sure_of_the_last_word_of_a_sentence_it_heard_well(
 ) -> None:
     # espeak (repeatable, unlike piper's noisy renders) on the phrase whisper hears reliably.
     audio, _rate = await espeak_on_the_line("Please connect me to an agent.")
-    greedy = LocalWhisperStt()  # the gateway's default: beam search keeps no per-step scores
+    # Greedy: beam search (as the gateway runs it, ivr/providers.py) keeps no scores.
+    greedy = LocalWhisperStt()
     try:
         heard = await greedy.transcribe(audio)
     finally:

@@ -55,7 +55,8 @@ class _KeepsTokenScores:
         return getattr(self._model, name)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        # Beam search returns no per-step scores: ask only when decoding greedily (our default).
+        # Beam search returns no per-step scores: ask only when decoding greedily (the
+        # engine's default). The gateway asks for beam_size=5 (ivr/providers.py): None there.
         greedy = kwargs.get("beam_size") == 1
         results = self._model.generate(*args, return_logits_vocab=greedy, **kwargs)
         self.last = results[0]

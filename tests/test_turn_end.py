@@ -348,8 +348,9 @@ def test_whisper_s_words_at_a_mid_sentence_pause_never_end_the_turn_early() -> N
     # drops or rewrites the dangling word ("the" -> "them.", "four five six" -> "456.",
     # "yesterday and" -> "yesterday."), and the rules still hold every turn open past a
     # 700 ms pause with its words and the last word's probability. Without the probability
-    # 10 of these 16 end at 300 ms. espeak, not piper: piper renders with random noise, so
-    # its clips (and whisper's words) change with every render.
+    # 10 of these 16 end at 300 ms, as they do in the gateway today (its beam search reports
+    # no probability). espeak, not piper: piper renders with random noise, so its clips (and
+    # whisper's words) change with every render.
     from ivr.audio.resample import resample
     from ivr.engines.whisper_stt import LocalWhisperStt
 

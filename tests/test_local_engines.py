@@ -94,19 +94,28 @@ async def test_piper_speech_through_the_phone_channel_is_understood_by_whisper(
 async def test_whisper_is_sure_of_the_last_word_of_a_sentence_it_heard_well(
     stt: LocalWhisperStt,
 ) -> None:
-    # espeak (repeatable, unlike piper's noisy renders) on the phrase whisper hears reliably.
+    # espeak (repeatable, unlike piper's noisy renders) on the phrase whisper hears reliably,
+    # with the gateway's beam search (ivr/providers.py) and greedy decoding alike.
     audio, _rate = await espeak_on_the_line("Please connect me to an agent.")
-    # Greedy: beam search (as the gateway runs it, ivr/providers.py) keeps no scores.
-    greedy = LocalWhisperStt()
+    greedy = LocalWhisperStt(beam_size=1)
     try:
-        heard = await greedy.transcribe(audio)
+        heard = [await stt.transcribe(audio), await greedy.transcribe(audio)]
     finally:
         await greedy.aclose()
-    assert "agent" in words(heard.text), heard.text
-    # From the decode's own scores (no word-timestamp pass): ~0.9 for "agent." here.
+    for transcript in heard:
+        assert "agent" in words(transcript.text), transcript.text
+        # The decoder's own probability of "agent." given the audio: ~0.9 here.
+        assert transcript.last_word_probability is not None, transcript
+        assert transcript.last_word_probability >= UNSURE_LAST_WORD, transcript
+
+
+async def test_whisper_doubts_a_last_word_it_made_up_at_a_pause(stt: LocalWhisperStt) -> None:
+    # Stopped at "...the balance on my," whisper tiny "finishes" the sentence ("on my
+    # favorite", "on my..."): the probability of that last word is what holds the turn open.
+    audio, _rate = await espeak_on_the_line("I would like to check the balance on my,")
+    heard = await stt.transcribe(audio)
     assert heard.last_word_probability is not None, heard
-    assert heard.last_word_probability >= UNSURE_LAST_WORD, heard
-    assert (await stt.transcribe(audio)).last_word_probability is None  # beam_size=5
+    assert heard.last_word_probability < UNSURE_LAST_WORD, heard
 
 
 async def test_piper_yields_its_first_chunk_before_the_rest_of_a_three_clause_text(

@@ -34,46 +34,58 @@ def _load_model(cpu_threads: int) -> Any:
     model = WhisperModel(
         str(path), device="cpu", compute_type="int8", cpu_threads=cpu_threads, num_workers=1
     )
-    model.model = _KeepsTokenScores(model.model)
+    end_of_text = model.hf_tokenizer.token_to_id("<|endoftext|>")
+    model.model = _ScoresItsWords(model.model, end_of_text)
     return model
 
 
-class _KeepsTokenScores:
-    """faster-whisper's CTranslate2 model, asked for each step's log-probabilities as well.
+class _ScoresItsWords:
+    """faster-whisper's CTranslate2 model, which also scores the words it decoded.
 
-    faster-whisper exposes word probabilities only through word timestamps, which decode the
-    tail again (see ``_decode``). The same numbers come free from the decode itself: this
-    wrapper adds ``return_logits_vocab`` to faster-whisper's ``generate`` calls and keeps the
-    last result. One instance per model, used only from the engine's one worker thread.
+    faster-whisper gives word probabilities only with word timestamps, which decode the tail
+    again and, primed with a prompt, invent words. Beam search returns no per-step scores
+    either. So after each ``generate`` this wrapper runs the decoder once more over the best
+    hypothesis's own tokens (CTranslate2's ``align``: teacher-forced, the same encoder output
+    and prompt, nothing re-decoded) and keeps each token's probability. ~20 ms for tiny.en on
+    a sentence (bench/whisper_beam.py). One instance per model, used only from the engine's
+    one worker thread.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, end_of_text: int) -> None:
         self._model = model
-        self.last: Any = None
+        self._end_of_text = end_of_text
+        self.tokens: list[int] = []
+        self.probabilities: list[float] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        # Beam search returns no per-step scores: ask only when decoding greedily (the
-        # engine's default). The gateway asks for beam_size=5 (ivr/providers.py): None there.
-        greedy = kwargs.get("beam_size") == 1
-        results = self._model.generate(*args, return_logits_vocab=greedy, **kwargs)
-        self.last = results[0]
+    def generate(self, encoder_output: Any, prompts: list[list[int]], **kwargs: Any) -> Any:
+        results = self._model.generate(encoder_output, prompts, **kwargs)
+        # Text tokens up to the first special one (end of text, or a timestamp).
+        best = results[0].sequences_ids[0]
+        self.tokens = list(itertools.takewhile(lambda t: t < self._end_of_text, best))
+        self.probabilities = None
+        if self.tokens:
+            try:
+                frames = encoder_output.shape[1]
+                aligned = self._model.align(
+                    encoder_output, prompts[0], [self.tokens], frames, median_filter_width=1
+                )  # the probabilities only: the time alignment is not used
+                self.probabilities = list(aligned[0].text_token_probs)
+            except (RuntimeError, ValueError):
+                pass  # the words stand; only the end-of-turn hint is lost
         return results
 
 
-def last_word_probability(
-    tokens: list[int], step_log_probs: list[Any], pieces: list[str]
-) -> float | None:
+def last_word_probability(probabilities: list[float], pieces: list[str]) -> float | None:
     """The mean probability of the last word's tokens, trailing punctuation included (as
     faster-whisper's word probability is reckoned); None when there is no word.
 
-    ``tokens`` are the decoded text tokens, ``step_log_probs[i]`` the vocabulary scores the
-    decoder had when it chose ``tokens[i]``, ``pieces[i]`` the token's text: a word starts at
-    a piece that begins with a space.
+    ``probabilities[i]`` is the decoder's probability of token i, ``pieces[i]`` its text: a
+    word starts at a piece that begins with a space.
     """
-    end = len(tokens)
+    end = len(pieces)
     while end and not any(c.isalnum() for c in pieces[end - 1]):
         end -= 1  # trailing punctuation: it belongs to the word before it
     if end == 0:
@@ -81,13 +93,7 @@ def last_word_probability(
     start = end - 1
     while start > 0 and not pieces[start].startswith(" "):
         start -= 1
-    probs = []
-    for i in range(start, len(tokens)):
-        scores = np.asarray(step_log_probs[i], dtype=np.float64).ravel()
-        top = scores.max()  # log-softmax: correct whether CTranslate2 gives logits or log-probs
-        log_total = top + np.log(np.exp(scores - top).sum())
-        probs.append(float(np.exp(scores[tokens[i]] - log_total)))
-    return float(np.mean(probs))
+    return float(np.mean(probabilities[start : len(pieces)]))
 
 
 def pcm16_to_float32(pcm16: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -154,8 +160,8 @@ class LocalWhisperStt:
         )
 
     def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> tuple[str, float | None]:
-        scored: _KeepsTokenScores = self._model.model
-        scored.last = None
+        scored: _ScoresItsWords = self._model.model
+        scored.tokens, scored.probabilities = [], None
         segments, _info = self._model.transcribe(
             audio,
             language="en",
@@ -163,7 +169,7 @@ class LocalWhisperStt:
             temperature=0.0,  # no fallback re-decodes: bounds the cost on noisy audio
             vad_filter=False,  # the gateway has already endpointed the utterance
             condition_on_previous_text=False,
-            # No word timestamps (the last word's probability comes from _KeepsTokenScores):
+            # No word timestamps (the last word's probability comes from _ScoresItsWords):
             # with them faster-whisper decodes the tail again and, primed with a prompt,
             # invents words ("Goodbye." -> "Goodbye. Bye.") at 2-3x the time.
             without_timestamps=True,
@@ -171,23 +177,18 @@ class LocalWhisperStt:
         )
         # Segments are lazy: the decoding happens here, inside the worker thread.
         text = " ".join(seg.text.strip() for seg in segments).strip()
-        return text, self._last_word_probability(text, scored.last)
+        return text, self._last_word_probability(text, scored)
 
-    def _last_word_probability(self, text: str, result: Any) -> float | None:
-        if result is None or not text or not result.logits:
-            return None  # beam search, or nothing decoded
-        tokenizer = self._model.hf_tokenizer
-        eot = tokenizer.token_to_id("<|endoftext|>")
-        # Text tokens up to the first special one, so token i stays step i.
-        tokens = list(itertools.takewhile(lambda t: t < eot, result.sequences_ids[0]))
-        if len(result.logits[0]) < len(tokens):
+    def _last_word_probability(self, text: str, scored: _ScoresItsWords) -> float | None:
+        probabilities = scored.probabilities
+        if not text or probabilities is None or len(probabilities) != len(scored.tokens):
             return None
-        pieces = [tokenizer.decode([t]) for t in tokens]
+        pieces = [self._model.hf_tokenizer.decode([t]) for t in scored.tokens]
         # The last decode's words must end the transcript: a window faster-whisper dropped
         # as silence says nothing about the words the caller is judged on.
         if not text.endswith("".join(pieces).strip()):
             return None
-        return last_word_probability(tokens, result.logits[0], pieces)
+        return last_word_probability(probabilities, pieces)
 
     async def aclose(self) -> None:
         # A decode already running finishes (CTranslate2 cannot be interrupted); queued ones drop.

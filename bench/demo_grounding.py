@@ -35,7 +35,7 @@ QUESTIONS = (
     ("What are your opening hours?", r"\b(8|eight)\b.*\b(6|six)\b"),
     ("Are you open on Sunday?", r"\bclosed\b|\bnot open\b"),
     ("How much is a tune-up?", r"\b60\b|\bsixty\b"),
-    ("Where is the shop?", r"42 Harbor Street"),
+    ("Where can I find the shop?", r"42 Harbor Street"),
     ("How much does it cost to rent a bike?", r"\b25 dollars|\$25\b|twenty-five dollars"),
 )
 EVICT = [ChatTurn("user", "Name three colours.")]

@@ -32,7 +32,7 @@ DEMO_NUMBER = "+15550100100"
 DEMO_STEPS: tuple[str | dict[str, str], ...] = (
     {"press": "1"},  # the menu: 1 = book a repair
     "A mountain bike.",  # the question step: which bike
-    "Where is the shop?",  # answered by the agent from flows/knowledge/harbor_bikes.md
+    "Where can I find the shop?",  # answered by the agent from flows/knowledge/harbor_bikes.md
     "Goodbye.",  # the wrap-up menu, by voice
 )
 DEMO_VOCABULARY = (

@@ -36,10 +36,13 @@ followed, on the same connection, by ``WAIT wait_replicas wait_timeout_ms``. Whe
 confirms in time the store asks who the master is now (the sentinels, or the replica and the
 other masters of a cluster): if that master is being replaced (a planned or forced failover
 leaves the old one taking writes for seconds, then it drops them), the write is sent again to
-the new one instead of being acknowledged. Otherwise a replica is down or lagging: the write
-stands, is counted and logged (``redis_write_not_replicated``), and that master is not waited
-on for UNREPLICATED_BACKOFF seconds, so a master left without a replica costs one wait, not
-one per write.
+the new one instead of being acknowledged. Otherwise the write stands, is counted and logged
+(``redis_write_not_replicated``), and the master's ``ROLE`` says why. A replica still connected
+but lagging or stalled could still be promoted, so writes go on waiting for it (each pays
+``wait_timeout_ms`` and the same check: skipping them once lost every write a failover
+caught in the next seconds). A master with fewer replicas connected than wanted has none to
+lose them to: its writes stop waiting (so it costs one wait, not one per write) and carry a
+``ROLE`` instead, which says when the replicas are back.
 
 A rolling upgrade keeps calls in flight: on one server and through Sentinel the layout is the
 one earlier versions wrote (so moving from redis:// to redis+sentinel:// keeps them too), and
@@ -102,9 +105,9 @@ log = structlog.get_logger("ivr.state")
 
 T = TypeVar("T")
 DEFAULT_ACTIVE_TTL = 6 * 3600.0  # Twilio caps a call at 4 h; a live key older than this is orphaned
-# After a WAIT that timed out (a replica down or lagging), writes to that master skip WAIT for
-# this long: otherwise every write would pay the full wait_timeout while the replica is gone.
-UNREPLICATED_BACKOFF = 5.0
+# redis_write_not_replicated is logged at most this often per master (every such write is
+# counted in unreplicated_writes): a replica stalled for a minute would log every write.
+UNREPLICATED_LOG_EVERY_S = 5.0
 _FIRST_PAUSE, _MAX_PAUSE = 0.05, 0.5  # failover retry backoff, seconds
 # What redis-py's blocking pool raises after pool_timeout: every connection busy is load, not
 # a failover, and is not retried (the caller has already waited pool_timeout).
@@ -286,7 +289,8 @@ class RedisCallStore:
         self._gate = asyncio.Semaphore(max_connections) if self.cluster else None
         self._active_key = f"{prefix}active"
         self._ended_key = f"{prefix}ended"
-        self._unreplicated_until: dict[str, float] = {}
+        self._short_of_replicas: set[str] = set()  # masters with too few replicas connected
+        self._unreplicated_logged: dict[str, float] = {}
         self.resent_commands = 0  # sent again after a connection failure (restart, failover)
         self.unreplicated_writes = 0  # writes no replica confirmed within wait_timeout_ms
         self.unindexed_ends = 0  # cluster: ended calls whose ended-index write failed
@@ -500,24 +504,32 @@ class RedisCallStore:
 
     async def _write(self, key: str, *command: Any) -> Any:
         """Run one write; with replicas to wait for, WAIT follows it on the same connection
-        (WAIT counts the replicas that have this connection's writes)."""
+        (WAIT counts the replicas that have this connection's writes), or ROLE on a master
+        short of replicas."""
         if self.target.wait_replicas <= 0:
             return await self._redis.execute_command(*command)
         name, node = await self._master_of(key)
-        if time.monotonic() < self._unreplicated_until.get(name, 0.0):
-            return await self._redis.execute_command(*command)
+        # A cluster routes a keyless command to every node: pin it to the write's master.
+        routing: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        short = name in self._short_of_replicas
         pipe = self._redis.pipeline(transaction=False)
         pipe.execute_command(*command)
-        # A cluster routes a keyless WAIT to every node: pin it to the write's master.
-        routing: dict[str, Any] = {} if node is None else {"target_nodes": node}
-        pipe.execute_command(
-            "WAIT", self.target.wait_replicas, self.target.wait_timeout_ms, **routing
-        )
-        result, acked = await pipe.execute(raise_on_error=False)
+        if short:
+            pipe.execute_command("ROLE", **routing)
+        else:
+            pipe.execute_command(
+                "WAIT", self.target.wait_replicas, self.target.wait_timeout_ms, **routing
+            )
+        result, check = await pipe.execute(raise_on_error=False)
         if isinstance(result, Exception):
             raise result
-        if not isinstance(acked, int) or acked < self.target.wait_replicas:
-            await self._unconfirmed(key, name, acked)
+        if short:
+            self.unreplicated_writes += 1  # unconfirmed, like every write to such a master
+            if _connected_replicas(check) >= self.target.wait_replicas:
+                self._short_of_replicas.discard(name)  # back: the next write waits again
+                log.info("redis_replicas_back", master=name)
+        elif not isinstance(check, int) or check < self.target.wait_replicas:
+            await self._unconfirmed(key, name, check, routing)
         return result
 
     async def _master_of(self, key: str) -> tuple[str, ClusterNode | None]:
@@ -530,24 +542,37 @@ class RedisCallStore:
             return str(node.name), node
         return _address(getattr(self._redis.connection_pool, "master_address", None)), None
 
-    async def _unconfirmed(self, key: str, master: str, acked: Any) -> None:
+    async def _unconfirmed(
+        self, key: str, master: str, acked: Any, routing: dict[str, Any]
+    ) -> None:
         """No replica confirmed a write in time. If its master is being replaced the write
         may vanish with it: raise, so _run sends it again (to the new master once there is
-        one). Otherwise a replica is down or lagging: the write stands, counted and logged,
-        and this master is not waited on for UNREPLICATED_BACKOFF seconds."""
+        one). Otherwise the write stands, counted and logged; a master with too few replicas
+        connected stops waiting until they are back (see the module's docstring)."""
         replaced = await self._master_replaced(key, master)
         if replaced:
             raise RedisConnectionError(f"write to {master} unconfirmed: {replaced}")
         self.unreplicated_writes += 1
-        self._unreplicated_until[master] = time.monotonic() + UNREPLICATED_BACKOFF
-        log.warning(
-            "redis_write_not_replicated",
-            master=master,
-            replicas_acked=acked if isinstance(acked, int) else repr(acked),
-            replicas_wanted=self.target.wait_replicas,
-            wait_timeout_ms=self.target.wait_timeout_ms,
-            skip_wait_seconds=UNREPLICATED_BACKOFF,
-        )
+        try:
+            connected = _connected_replicas(await self._redis.execute_command("ROLE", **routing))
+        except RedisError:
+            connected = self.target.wait_replicas  # unknown: go on waiting, the safe side
+        short = connected < self.target.wait_replicas
+        if short:
+            self._short_of_replicas.add(master)
+        now = time.monotonic()
+        if short or now - self._unreplicated_logged.get(master, -1e9) >= UNREPLICATED_LOG_EVERY_S:
+            self._unreplicated_logged[master] = now
+            log.warning(
+                "redis_write_not_replicated",
+                master=master,
+                replicas_acked=acked if isinstance(acked, int) else repr(acked),
+                replicas_wanted=self.target.wait_replicas,
+                replicas_connected=connected,
+                wait_timeout_ms=self.target.wait_timeout_ms,
+                # Connected but slow: it may still be promoted, so writes go on waiting.
+                waiting=not short,
+            )
 
     async def _master_replaced(self, key: str, master: str) -> str:
         """Why ``master`` is no longer, or soon not, the master for ``key``; "" if it is."""
@@ -658,6 +683,14 @@ async def _failover_in_progress(sentinel: Sentinel, service: str) -> bool:
         if "failover_in_progress" in str(masters.get(service, {}).get("flags", "")):
             return True
     return False
+
+
+def _connected_replicas(role: Any) -> int:
+    """How many replicas a master's ROLE reply lists as connected; 0 for anything else (an
+    error, or a node that is no longer a master)."""
+    if isinstance(role, list) and len(role) >= 3 and _text(role[0]) == "master":
+        return len(role[2])
+    return 0
 
 
 def _address(address: Any) -> str:

@@ -118,6 +118,30 @@ async def test_whisper_doubts_a_last_word_it_made_up_at_a_pause(stt: LocalWhispe
     assert heard.last_word_probability < UNSURE_LAST_WORD, heard
 
 
+async def test_whisper_keeps_its_words_when_scoring_them_fails(stt: LocalWhisperStt) -> None:
+    # The scoring pass runs the decoder over prompt + words, which must fit its 448
+    # positions; a repetition loop after a long prompt does not, and CTranslate2 refuses.
+    # Driven at the model wrapper with a real 434-token prompt: whisper tiny loops on it
+    # ("hello there hello there ..."), which audio alone does not make it do repeatably.
+    import ctranslate2
+
+    from ivr.engines.whisper_stt import _ScoresItsWords
+
+    scored = stt._model.model  # the engine's own wrapped model, loaded by the fixture
+    assert isinstance(scored, _ScoresItsWords)
+    tokenizer = stt._model.hf_tokenizer
+    features = stt._model.feature_extractor(np.zeros(16000, dtype=np.float32))[None, :, :3000]
+    encoded = scored.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(features)))
+    special = ["<|startofprev|>", "<|startoftranscript|>", "<|notimestamps|>"]
+    prev, start, no_times = (tokenizer.token_to_id(t) for t in special)
+    words = tokenizer.encode(" hello there" * 300).ids[:430]
+    results = scored.generate(
+        encoded, [[prev, *words, start, no_times]], beam_size=5, max_length=448
+    )
+    assert len(results[0].sequences_ids[0]) > 14, "whisper looped past the decoder's length"
+    assert scored.tokens and scored.probabilities is None
+
+
 async def test_piper_yields_its_first_chunk_before_the_rest_of_a_three_clause_text(
     piper: LocalPiperTts,
 ) -> None:

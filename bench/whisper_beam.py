@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from turn_fixtures import COMPLETE, PAUSED, espeak_clip, paused_text, piper_clips
 
 from ivr.audio.resample import resample
+from ivr.call.summary import percentile
 from ivr.call.turn_end import UNSURE_LAST_WORD
 from ivr.demo import DEMO_STEPS, DEMO_VOCABULARY
 from ivr.engines.whisper_stt import LocalWhisperStt
@@ -118,10 +119,6 @@ async def decode(beam: int, every: list[Clip], runs: int) -> list[Heard]:
     )
 
 
-def p95(values: list[float]) -> float:
-    return sorted(values)[max(0, round(0.95 * len(values)) - 1)]
-
-
 def report(beam: int, heard: list[Heard]) -> None:
     print(f"\nwhisper tiny.en, beam {beam}")
     for voice in ("espeak", "piper"):
@@ -135,7 +132,8 @@ def report(beam: int, heard: list[Heard]) -> None:
         print(
             f"  {voice:6s} WER {wer * 100:5.1f} %  exact {exact}/{len(finished)}"
             f"  latency p50 {statistics.median(latencies) * 1000:4.0f} ms"
-            f" p95 {p95(latencies) * 1000:4.0f} ms  cpu p50 {statistics.median(cpu):.2f} s"
+            f" p95 {percentile(latencies, 0.95) * 1000:4.0f} ms"
+            f"  cpu p50 {statistics.median(cpu):.2f} s"
         )
         for h in finished:
             if normalise(h.clip.said) != normalise(h.text):

@@ -11,9 +11,11 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 import test_state_contract as contract
 from redis.crc import key_slot
 from redis_cluster import SERVICE, ClusterProcesses, Node, SentinelProcesses
@@ -21,6 +23,7 @@ from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
 from structlog.testing import capture_logs
 
 from ivr.errors import ConfigError
+from ivr.state import redis_store
 from ivr.state.base import CallStore, apply_mutation
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.redis_urls import RedisTarget, parse_redis_url
@@ -360,6 +363,81 @@ async def test_a_master_whose_replica_died_stops_waiting_until_it_is_back(
         assert await timed_update() < 0.1 and store.unreplicated_writes == 3, "confirmed again"
     finally:
         await store.aclose()
+
+
+@pytest.mark.slow
+async def test_a_stalled_sentinel_costs_an_unconfirmed_write_a_short_bound_not_a_socket_timeout(
+    sentinel: SentinelProcesses,
+) -> None:
+    """A replica and a sentinel both stall (SIGSTOP, as on a black-holed host). Every write goes
+    unconfirmed and asks the sentinels whether its master is being replaced: the stalled one
+    must cost a short bound, not socket_timeout (2 s) per write, which every caller's turn
+    would wait; and, not answering, it is no sign of a failover (the writes stand)."""
+    prefix = unique_prefix()
+    store = RedisCallStore(sentinel.url + "?wait_timeout_ms=50", prefix=prefix)
+    replica = _replica_for(sentinel, store.call_key("CA-ss"))
+    stalled = sentinel.sentinels[0]  # the first in the URL: redis-py asks it first
+    waits = []
+    try:
+        await store.create(contract.a_call("CA-ss"))
+        await store.update("CA-ss", contract.incr("n"))  # the update script is now cached
+        os.kill(_pid(replica), signal.SIGSTOP)
+        os.kill(_pid(stalled), signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                started = time.monotonic()
+                await store.update("CA-ss", contract.incr("n"))
+                waits.append(time.monotonic() - started)
+        finally:
+            os.kill(_pid(stalled), signal.SIGCONT)
+            os.kill(_pid(replica), signal.SIGCONT)
+        reader = RedisCallStore(sentinel.url, prefix=prefix)
+        try:
+            record = await reader.get("CA-ss")
+        finally:
+            await reader.aclose()
+    finally:
+        await store.aclose()
+        await asyncio.to_thread(sentinel.delete_prefix, prefix)
+    await asyncio.to_thread(sentinel.wait_healthy, 10.0)  # for the next test
+    print(f"\nwrites with a replica and a sentinel stalled: {[round(w, 3) for w in waits]} s")
+    # WAIT (50 ms, up to 100 at the server's 10 Hz) plus one round of questions bounded at
+    # 0.1 s: well below one socket_timeout (2 s).
+    assert max(waits) < 0.6, waits
+    assert store.unreplicated_writes == len(waits), "each write was unconfirmed, so checked"
+    assert store.resent_commands == 0, "a sentinel that does not answer is not failing over"
+    assert record is not None
+    assert record.variables["n"] == 1 + len(waits) and record.version == 2 + len(waits)
+
+
+async def test_a_cancelled_write_leaves_no_question_to_a_sentinel_running() -> None:
+    """The sentinels are asked at once; a write cancelled meanwhile (its caller hung up)
+    cancels every question. Three "sentinels" that accept the connection and never answer
+    (a black-holed host) are real sockets."""
+
+    async def black_hole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client goes away
+        writer.close()
+
+    server = await asyncio.start_server(black_hole, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    clients = [aioredis.Redis(port=port, socket_timeout=30) for _ in range(3)]
+    sentinel: Any = SimpleNamespace(sentinels=clients)
+    try:
+        asking = asyncio.create_task(redis_store._sentinel_views(sentinel, SERVICE, 30.0))
+        await asyncio.sleep(0.2)  # all three sent and waiting
+        asking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+        questions = [
+            t for t in asyncio.all_tasks() if "_sentinel_views" in t.get_coro().__qualname__
+        ]
+        assert questions == [], "a question to a sentinel outlived the cancelled write"
+    finally:
+        for client in clients:
+            await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 def _replica_for(deployment: Deployment, key: str) -> Node:

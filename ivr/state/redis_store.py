@@ -33,8 +33,9 @@ are off, as they neither back off nor tell a script it is being resent), then
 ``StoreUnavailable``. Replication is asynchronous, so a write the old master acknowledged but
 had not yet passed on is lost when a replica takes over. To close that window each write is
 followed, on the same connection, by ``WAIT wait_replicas wait_timeout_ms``. When no replica
-confirms in time the store asks who the master is now (the sentinels, or the replica and the
-other masters of a cluster): if that master is being replaced (a planned or forced failover
+confirms in time the store asks who the master is now (the sentinels, all at once, or the
+replica and the other masters of a cluster; a node silent for max(0.1 s, wait_timeout_ms) is
+taken as not failing over): if that master is being replaced (a planned or forced failover
 leaves the old one taking writes for seconds, then it drops them), the write is sent again to
 the new one instead of being acknowledged. Otherwise the write stands, is counted and logged
 (``redis_write_not_replicated``), and the master's ``ROLE`` says why. A replica still connected
@@ -234,7 +235,9 @@ def _connect(
         )
         return cluster, None
     if target.mode == "sentinel":
-        sentinel_kwargs = timeouts | {"password": target.sentinel_password}
+        # No retries asking a sentinel either: redis-py's default (3, with backoff) made one
+        # that does not answer cost 15-25 s, not socket_timeout, before the next was asked.
+        sentinel_kwargs = timeouts | retry | {"password": target.sentinel_password}
         sentinels = list(target.nodes)
         sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
         master = sentinel.master_for(
@@ -281,6 +284,10 @@ class RedisCallStore:
         self.active_ttl = active_ttl
         self.max_attempts = max_attempts
         self.pool_timeout = pool_timeout
+        # How long an unconfirmed write waits for each node (replica, master, sentinel) it asks
+        # whether its master is being replaced: one that says nothing by then is not failing
+        # over (a stalled one would otherwise cost every write socket_timeout).
+        self._ask_timeout = max(0.1, self.target.wait_timeout_ms / 1000)
         self._redis, self._sentinel = _connect(
             self.target, max_connections, pool_timeout, socket_timeout
         )
@@ -587,12 +594,22 @@ class RedisCallStore:
             return why
         pool = self._redis.connection_pool
         assert isinstance(pool, _BlockingSentinelPool) and self._sentinel is not None
-        # Raises MasterNotFoundError (retried) while the sentinels see the master down.
-        current = _address(await pool.get_master_address())
-        if current != master:
-            return f"the sentinels now name {current}"
-        if await _failover_in_progress(self._sentinel, self.target.service):
-            return "a sentinel is failing it over"
+        service = self.target.service
+        views = await _sentinel_views(self._sentinel, service, self._ask_timeout)
+        if not views or not all(
+            self._sentinel.check_master_state(view, service)
+            and _address((view["ip"], view["port"])) == master
+            for view in views
+        ):
+            # None answered in time, or one sees the master down or names another: ask as
+            # redis-py does (in turn, up to socket_timeout each, the first to answer kept
+            # first), which also moves the pool to the master named. Raises
+            # MasterNotFoundError (retried) while the sentinels see the master down.
+            current = _address(await pool.get_master_address())
+            if current != master:
+                return f"the sentinels now name {current}"
+        if any("failover_in_progress" in str(view["flags"]) for view in views):
+            return "a sentinel is failing it over"  # only the leader flags it
         return ""
 
     async def _replica_took_over(self, key: str) -> str:
@@ -602,7 +619,7 @@ class RedisCallStore:
         serving = self._redis.nodes_manager.slots_cache.get(self._redis.keyslot(key), [])
         for replica in serving[1:]:  # [master, *replicas]
             try:
-                async with asyncio.timeout(max(0.1, self.target.wait_timeout_ms / 1000)):
+                async with asyncio.timeout(self._ask_timeout):
                     role: Any = await self._redis.execute_command("ROLE", target_nodes=replica)
             except (RedisError, RedisClusterException, OSError):  # TimeoutError is an OSError
                 continue
@@ -673,16 +690,28 @@ class RedisCallStore:
             self._gate.release()
 
 
-async def _failover_in_progress(sentinel: Sentinel, service: str) -> bool:
-    """Whether any sentinel is failing ``service`` over (only the leader flags it)."""
-    for client in sentinel.sentinels:
-        try:
-            masters: Any = await client.sentinel_masters()
-        except (RedisError, OSError):
+async def _sentinel_views(sentinel: Sentinel, service: str, bound: float) -> list[Any]:
+    """``service`` as seen by each sentinel that answers within ``bound`` seconds. All are
+    asked at once, so a stalled or black-holed one costs ``bound`` once, not socket_timeout
+    per sentinel in turn. One that does not answer (or does not monitor ``service``) is left
+    out: its silence is no sign of a failover."""
+
+    async def ask(client: aioredis.Redis) -> Any:
+        async with asyncio.timeout(bound):
+            return await client.sentinel_masters()
+
+    # return_exceptions: gather returns only once every task has ended (none is left running
+    # when one fails), and cancelling the caller cancels and awaits them all.
+    answers = await asyncio.gather(*map(ask, sentinel.sentinels), return_exceptions=True)
+    views = []
+    for answer in answers:
+        if isinstance(answer, (RedisError, OSError)):  # TimeoutError is an OSError
             continue
-        if "failover_in_progress" in str(masters.get(service, {}).get("flags", "")):
-            return True
-    return False
+        if isinstance(answer, BaseException):
+            raise answer
+        if view := answer.get(service):
+            views.append(view)
+    return views
 
 
 def _connected_replicas(role: Any) -> int:

@@ -436,8 +436,14 @@ async def test_a_noise_burst_does_not_stop_the_bot(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    # A long minimum: echo between the bot's words is judged from its onset all the same.
+    ["", "\n    interruptions: {min_speech_ms: 900}"],
+    ids=["default", "min_speech_900"],
+)
 async def test_the_bots_own_echo_does_not_stop_it(
-    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, policy: str
 ) -> None:
     report, counted = await announce_call(
         gateway_factory,
@@ -446,6 +452,7 @@ async def test_the_bots_own_echo_does_not_stop_it(
         [],
         transcript=ANNOUNCEMENT,  # what STT would make of the echo, were it asked
         echo=LineEcho(delay_s=0.1, gain_db=-20),
+        policy=policy,
     )
     assert not report.clears, "the bot interrupted itself on its own echo"
     assert report.bot_audio_s > FULL_S
@@ -489,6 +496,43 @@ async def test_a_nodes_min_words_lets_a_short_phrase_through_without_stopping(
         policy=policy,
     )
     assert report.bot_audio_s > FULL_S and counted.get("speech/backchannel") == 1
+
+
+@pytest.mark.slow
+async def test_a_node_that_waits_for_more_speech_lets_a_backchannel_play_through(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    """min_speech_ms above a backchannel's length: "uh-huh" (~0.5 s) never pauses the bot."""
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        transcript="Uh-huh.",
+        policy="\n    interruptions: {min_speech_ms: 900}",
+    )
+    assert not report.clears, "the bot did not stop for the backchannel"
+    assert report.bot_audio_s > FULL_S and counted.get("speech/backchannel") == 1
+
+
+@pytest.mark.slow
+async def test_a_word_shorter_than_min_speech_still_interrupts_once_transcribed(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    """ "Stop." (~0.4 s) is over before min_speech_ms: the bot cannot pause for the sound, so
+    its words decide when they come, as they do after a pause."""
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [{"barge_in": {"say": "Stop.", "after": 1.5}}],
+        transcript="Stop.",
+        policy="\n    interruptions: {min_speech_ms: 900}",
+    )
+    assert len(report.clears) == 1, report.format_transcript()
+    # Interrupted once the words are in: end of "Stop." + endpoint + STT, well under 2 s.
+    assert report.bot_audio_s < 1.5 + 2.0, "the announcement went on over the caller's word"
+    assert counted.get("speech/interrupted") == 1
 
 
 # -- an agent reply: what the history says after a resume ----------------------------------

@@ -12,7 +12,10 @@ Three questions, in the order the audio answers them:
 3. **Words?** Anything else pauses the bot at once (``clear``, the heard position kept), within
    the onset-to-``clear`` budget. When the utterance is transcribed, a real turn (at least
    ``min_words`` words, not all backchannel) makes the interruption stand; no words or only
-   backchannel ("uh-huh", "okay") and the bot resumes the sentence it was cut in.
+   backchannel ("uh-huh", "okay") and the bot resumes the sentence it was cut in. Speech is
+   checked from its onset, but the bot pauses only once it has lasted ``min_speech_ms``; a
+   node that raises it lets a short backchannel play through with no pause at all, and a
+   word over before it ("Stop.") interrupts when transcribed.
 
 ``InterruptionPolicy`` is per flow node (``interruptions:`` in YAML); ``BargeInJudge`` is per
 call and holds the caller-side audio the checks need.
@@ -128,6 +131,8 @@ class JudgedUtterance:
     voiced: bool = False
     """A voice was heard in it (or it was taken for speech unchecked): worth transcribing."""
     checked_at_frame: int = -1
+    early: list[Verdict] = field(default_factory=list)
+    """What the checks said before ``min_speech_ms`` (the bot does not pause for those yet)."""
 
     @property
     def taken_for_speech(self) -> bool:
@@ -198,8 +203,14 @@ class BargeInJudge:
         u.voiced = voiced_frames(self._recent()) > 0
 
     def end(self) -> JudgedUtterance | None:
-        """The utterance is over: what it was judged (None if it never was)."""
+        """The utterance is over: what it was judged (None if it never was). One over before
+        ``min_speech_ms`` ("Stop.", "uh-huh" under a long minimum) never paused the bot; it is
+        voiced, so worth transcribing, if a voice was heard in it and it was not last taken
+        for echo (an echo check can only lock on after some audio)."""
         utterance, self._utterance = self._utterance, None
+        if utterance is not None and not utterance.verdicts and Verdict.SPEECH in utterance.early:
+            decisive = [v for v in utterance.early if v in (Verdict.SPEECH, Verdict.ECHO)]
+            utterance.voiced = decisive[-1] is Verdict.SPEECH
         return utterance
 
     def judge(self, stream_now: float, voiced_ms: int, policy: InterruptionPolicy) -> Verdict:
@@ -210,17 +221,19 @@ class BargeInJudge:
             return Verdict.WAIT
         utterance.over_bot = True
         elapsed_ms = (stream_now - utterance.onset) * 1000
-        if elapsed_ms < policy.min_speech_ms:
-            return Verdict.WAIT
-        last = utterance.verdicts[-1] if utterance.verdicts else Verdict.WAIT
+        early = elapsed_ms < policy.min_speech_ms
+        verdicts = utterance.early if early else utterance.verdicts
+        last = verdicts[-1] if verdicts else Verdict.WAIT
         # Echo goes on as long as the bot talks: check it every other frame (~0.2 ms each).
         every = self.ECHO_CHECK_EVERY_FRAMES if last is Verdict.ECHO else 1
         if self._frames - utterance.checked_at_frame < every:
-            return last
+            return Verdict.WAIT if early else last
         utterance.checked_at_frame = self._frames
+        # Checked from the onset, so that a sound over before min_speech_ms is still known for
+        # speech or not (see ``end``); the bot pauses only once it has lasted that long.
         verdict = self._check(utterance, elapsed_ms, voiced_ms, policy)
-        utterance.verdicts.append(verdict)
-        return verdict
+        verdicts.append(verdict)
+        return Verdict.WAIT if early else verdict
 
     def _recent(self) -> npt.NDArray[np.float64]:
         n = min(len(self._near), round(self.NEAR_WINDOW_S * RATE * 2 / FRAME_BYTES_PCM16))
@@ -263,7 +276,8 @@ class BargeInJudge:
             if echo.is_echo(policy.echo_threshold):
                 return Verdict.ECHO
         if voiced_frames(near) > 0:
-            utterance.voiced = True
+            # Before min_speech_ms an echo check may not have locked on yet: ``end`` decides.
+            utterance.voiced = utterance.voiced or elapsed_ms >= policy.min_speech_ms
             return Verdict.SPEECH
         # No voice (yet): a cough, a door, static, or the "s" of "stop". Long enough, and
         # loud enough for the endpointer to count it, it pauses the bot all the same.

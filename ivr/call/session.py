@@ -783,6 +783,10 @@ class CallSession:
             self._paused_speech = None
             self._cancel_pause_deadline()
             await paused.interrupt("speech")
+        elif over_bot and isinstance(item, Utterance):
+            # Over before it could pause the bot (shorter than the node's min_speech_ms, say
+            # "Stop."): the words decide now, as they would have after a pause.
+            await self._barge_in("speech")
 
     def _only_listening(self, paused: SpeechHandle | None, text: str) -> bool:
         """The caller's words over the bot do not take the floor: none, or only backchannel.

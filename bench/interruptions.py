@@ -23,6 +23,11 @@ same for the announcement heard uninterrupted). STT answers after ``--stt-ms`` (
     .venv/bin/python bench/interruptions.py                      # 20 trials per kind, 4 lanes
     .venv/bin/python bench/interruptions.py --trials 50 --lanes 5 --vad silero --json
     .venv/bin/python bench/interruptions.py --kinds backchannel --trials 12
+    .venv/bin/python bench/interruptions.py --kinds backchannel,real --min-speech-ms 900
+
+``--min-speech-ms`` sets the flow's ``interruptions.min_speech_ms``: how long caller speech
+lasts before the bot pauses (a backchannel shorter than that plays through, and a real
+interruption stops the bot that much later).
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ REAL = [
 ]
 FLOW = f"""
 name: bench
-start: announce
+start: announce@DEFAULTS@
 nodes:
   announce:
     kind: say
@@ -87,6 +92,16 @@ nodes:
     next: bye
   bye: {{kind: hangup}}
 """
+
+
+def flow_yaml(min_speech_ms: int | None) -> str:
+    """The bench flow; ``min_speech_ms`` sets its interruption policy (None: the default)."""
+    policy = (
+        ""
+        if min_speech_ms is None
+        else (f"\ndefaults: {{interruptions: {{min_speech_ms: {min_speech_ms}}}}}")
+    )
+    return FLOW.replace("@DEFAULTS@", policy)
 
 
 @dataclass(slots=True)
@@ -212,7 +227,7 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         workdir = Path(tmp)
         flows = workdir / "flows"
         flows.mkdir()
-        (flows / "bench.yaml").write_text(FLOW)
+        (flows / "bench.yaml").write_text(flow_yaml(args.min_speech_ms))
         (flows / "routes.yaml").write_text("default: bench\n")
         kinds = args.kinds.split(",")
         todo = [item for item in plan(args.trials, args.seed, workdir) if item[0].kind in kinds]
@@ -291,7 +306,7 @@ async def announcement_seconds(vad: str) -> tuple[float, float]:
     and the silence between its sentences."""
     with tempfile.TemporaryDirectory() as tmp:
         flows = Path(tmp)
-        (flows / "bench.yaml").write_text(FLOW)
+        (flows / "bench.yaml").write_text(flow_yaml(None))
         (flows / "routes.yaml").write_text("default: bench\n")
         async with lane_gateway(vad, flows) as (server, _):
             report = await place_call(
@@ -317,6 +332,12 @@ async def main() -> None:
         type=int,
         default=60,
         help="IVR_SPECULATE_AFTER_MS: 0 judges words over the bot only once the caller stops",
+    )
+    parser.add_argument(
+        "--min-speech-ms",
+        type=int,
+        default=None,
+        help="the flow's interruptions.min_speech_ms (default: the gateway's, 100)",
     )
     parser.add_argument("--label", default="this build")
     parser.add_argument("--json", action="store_true")

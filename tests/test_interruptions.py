@@ -306,9 +306,20 @@ FULL_S = 9.0
 """The announcement lasts ~10 s: heard in full means at least this much bot audio."""
 
 
+LONG_MIN_SPEECH = "\n    interruptions: {min_speech_ms: 900}"
+"""Longer than a backchannel (~0.5 s): the bot pauses only for speech that lasts 0.9 s."""
+
+
 @pytest.mark.slow
-async def test_a_backchannel_pauses_the_bot_which_then_resumes_its_sentence(
-    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+@pytest.mark.parametrize(
+    ("policy", "clears"), [("", 1), (LONG_MIN_SPEECH, 0)], ids=["default", "min_speech_900"]
+)
+async def test_a_backchannel_pauses_the_bot_which_resumes_or_with_a_long_minimum_plays_on(
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+    tmp_path: Path,
+    policy: str,
+    clears: int,
 ) -> None:
     report, counted = await announce_call(
         gateway_factory,
@@ -316,8 +327,9 @@ async def test_a_backchannel_pauses_the_bot_which_then_resumes_its_sentence(
         tmp_path,
         [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
         transcript="Uh-huh.",
+        policy=policy,
     )
-    assert len(report.clears) == 1, "a backchannel pauses the bot (one clear) ..."
+    assert len(report.clears) == clears, "default: one pause (a clear); a long minimum: none"
     assert report.bot_audio_s > FULL_S, "... and the announcement is heard to its end"
     assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
 
@@ -439,7 +451,7 @@ async def test_a_noise_burst_does_not_stop_the_bot(
 @pytest.mark.parametrize(
     "policy",
     # A long minimum: echo between the bot's words is judged from its onset all the same.
-    ["", "\n    interruptions: {min_speech_ms: 900}"],
+    ["", LONG_MIN_SPEECH],
     ids=["default", "min_speech_900"],
 )
 async def test_the_bots_own_echo_does_not_stop_it(
@@ -499,23 +511,6 @@ async def test_a_nodes_min_words_lets_a_short_phrase_through_without_stopping(
 
 
 @pytest.mark.slow
-async def test_a_node_that_waits_for_more_speech_lets_a_backchannel_play_through(
-    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
-) -> None:
-    """min_speech_ms above a backchannel's length: "uh-huh" (~0.5 s) never pauses the bot."""
-    report, counted = await announce_call(
-        gateway_factory,
-        fake_openai,
-        tmp_path,
-        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
-        transcript="Uh-huh.",
-        policy="\n    interruptions: {min_speech_ms: 900}",
-    )
-    assert not report.clears, "the bot did not stop for the backchannel"
-    assert report.bot_audio_s > FULL_S and counted.get("speech/backchannel") == 1
-
-
-@pytest.mark.slow
 async def test_a_word_shorter_than_min_speech_still_interrupts_once_transcribed(
     gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
 ) -> None:
@@ -527,7 +522,7 @@ async def test_a_word_shorter_than_min_speech_still_interrupts_once_transcribed(
         tmp_path,
         [{"barge_in": {"say": "Stop.", "after": 1.5}}],
         transcript="Stop.",
-        policy="\n    interruptions: {min_speech_ms: 900}",
+        policy=LONG_MIN_SPEECH,
     )
     assert len(report.clears) == 1, report.format_transcript()
     # Interrupted once the words are in: end of "Stop." + endpoint + STT, well under 2 s.

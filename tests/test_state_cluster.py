@@ -5,6 +5,7 @@ and a call that keeps every acknowledged update through a master failover mid-ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -318,15 +319,8 @@ async def test_a_stalled_replica_is_still_waited_for_as_it_may_be_promoted(
         await store.create(contract.a_call("CA-w"))
         assert store.unreplicated_writes == 0, "a healthy replica confirms at once"
         replica = _replica_for(deployment, store.call_key("CA-w"))
-        os.kill(_pid(replica), signal.SIGSTOP)  # the replica stops reading its link
-        try:
-            waits = []
-            for _ in range(2):
-                started = time.monotonic()
-                await store.update("CA-w", contract.incr("n"))
-                waits.append(time.monotonic() - started)
-        finally:
-            os.kill(_pid(replica), signal.SIGCONT)
+        with _stalled(replica):  # the replica stops reading its link
+            waits = await _timed_updates(store, "CA-w", 2)
         await store.update("CA-w", contract.incr("n"))
     finally:
         await store.aclose()
@@ -377,20 +371,11 @@ async def test_a_stalled_sentinel_costs_an_unconfirmed_write_a_short_bound_not_a
     store = RedisCallStore(sentinel.url + "?wait_timeout_ms=50", prefix=prefix)
     replica = _replica_for(sentinel, store.call_key("CA-ss"))
     stalled = sentinel.sentinels[0]  # the first in the URL: redis-py asks it first
-    waits = []
     try:
         await store.create(contract.a_call("CA-ss"))
         await store.update("CA-ss", contract.incr("n"))  # the update script is now cached
-        os.kill(_pid(replica), signal.SIGSTOP)
-        os.kill(_pid(stalled), signal.SIGSTOP)
-        try:
-            for _ in range(4):
-                started = time.monotonic()
-                await store.update("CA-ss", contract.incr("n"))
-                waits.append(time.monotonic() - started)
-        finally:
-            os.kill(_pid(stalled), signal.SIGCONT)
-            os.kill(_pid(replica), signal.SIGCONT)
+        with _stalled(replica, stalled):
+            waits = await _timed_updates(store, "CA-ss", 4)
         reader = RedisCallStore(sentinel.url, prefix=prefix)
         try:
             record = await reader.get("CA-ss")
@@ -450,6 +435,29 @@ def _replica_for(deployment: Deployment, key: str) -> Node:
 def _pid(node: Node) -> int:
     assert node.process is not None
     return node.process.pid
+
+
+@contextlib.contextmanager
+def _stalled(*nodes: Node) -> Iterator[None]:
+    """``nodes`` stop (SIGSTOP: connected, reading nothing, as a black-holed host) for the
+    block, and go on (SIGCONT) whatever happens in it."""
+    for node in nodes:
+        os.kill(_pid(node), signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for node in reversed(nodes):
+            os.kill(_pid(node), signal.SIGCONT)
+
+
+async def _timed_updates(store: RedisCallStore, call_sid: str, times: int) -> list[float]:
+    """Seconds each of ``times`` updates of ``call_sid`` took (each adds 1 to ``n``)."""
+    waits = []
+    for _ in range(times):
+        started = time.monotonic()
+        await store.update(call_sid, contract.incr("n"))
+        waits.append(time.monotonic() - started)
+    return waits
 
 
 # -- failover mid-call -------------------------------------------------------------------------
@@ -624,14 +632,10 @@ async def test_a_replica_that_lagged_a_moment_ago_does_not_cost_writes_in_a_fail
     store = RedisCallStore(fresh_sentinel.url, prefix=PREFIX)
     old = fresh_sentinel.master()
     replica = next(n for n in fresh_sentinel.data if n is not old)
-    assert replica.process is not None
     try:
         await store.create(contract.a_call("CA-s-lagged"))
-        replica.process.send_signal(signal.SIGSTOP)
-        try:
+        with _stalled(replica):
             await store.update("CA-s-lagged", contract.incr("n"))
-        finally:
-            replica.process.send_signal(signal.SIGCONT)
         assert store.unreplicated_writes == 1, "the stalled replica left a write unconfirmed"
         fresh_sentinel.wait_healthy(5.0)
 

@@ -395,6 +395,46 @@ async def test_a_stalled_sentinel_costs_an_unconfirmed_write_a_short_bound_not_a
     assert record.variables["n"] == 1 + len(waits) and record.version == 2 + len(waits)
 
 
+@pytest.mark.slow
+async def test_a_stalled_master_costs_an_unconfirmed_cluster_write_a_short_bound() -> None:
+    """The cluster's twin of the stalled sentinel: the call's replica and another shard's
+    master both stall. Every write goes unconfirmed and asks the other masters who serves its
+    slot: the stalled one must cost a short bound, not socket_timeout (2 s) per write. A
+    cluster of its own, whose node timeout (15 s) outlasts the stall: no failover starts."""
+    with ClusterProcesses(masters=3, replicas=1, node_timeout_ms=15000) as deployment:
+
+        def master_of(key: str) -> Node:
+            return deployment.master_of_slot(key_slot(key.encode()))
+
+        # An update writes the call's key and the active-calls index: both on one master, so
+        # that the stalled one holds neither (else the write itself would hang, not its check).
+        prefix = next(
+            p
+            for p in (unique_prefix() for _ in range(100))
+            if master_of(f"{p}call:{{CA-sm}}") is master_of(f"{p}active")
+        )
+        store = RedisCallStore(deployment.url + "?wait_timeout_ms=50", prefix=prefix)
+        own = master_of(store.call_key("CA-sm"))
+        shards = (deployment.master_of_slot(slot) for slot in (0, 8000, 16000))  # one each
+        other = next(master for master in shards if master is not own)
+        # Its replica by its own ROLE (a fresh cluster's gossip may not list it yet).
+        replica = next(n for n in deployment.nodes if n.run("ROLE")[2:3] == [own.port])
+        try:
+            await store.create(contract.a_call("CA-sm"))
+            await store.update("CA-sm", contract.incr("n"))  # the update script is now cached
+            with _stalled(replica, other):
+                waits = await _timed_updates(store, "CA-sm", 4)
+            record = await store.get("CA-sm")
+        finally:
+            await store.aclose()
+    print(f"\nwrites with a replica and another master stalled: {[round(w, 3) for w in waits]} s")
+    # WAIT (up to 100 ms at the server's 10 Hz) plus questions bounded at 0.1 s each.
+    assert max(waits) < 0.6, waits
+    assert store.unreplicated_writes == len(waits), "each write was unconfirmed, so checked"
+    assert store.resent_commands == 0, "a master that does not answer is not taking over"
+    assert record is not None and record.variables["n"] == 1 + len(waits)
+
+
 async def test_a_cancelled_write_leaves_no_question_to_a_sentinel_running() -> None:
     """The sentinels are asked at once; a write cancelled meanwhile (its caller hung up)
     cancels every question. Three "sentinels" that accept the connection and never answer

@@ -635,9 +635,10 @@ class RedisCallStore:
         for other in self._redis.get_primaries():
             if other.name == master:
                 continue
-            try:
-                slots: Any = await self._redis.cluster_slots(target_nodes=other)
-            except (RedisError, RedisClusterException, OSError):
+            try:  # bounded as the replica's ROLE: a stalled master is no owner, not 2 s a write
+                async with asyncio.timeout(self._ask_timeout):
+                    slots: Any = await self._redis.cluster_slots(target_nodes=other)
+            except (RedisError, RedisClusterException, OSError):  # TimeoutError is an OSError
                 continue
             for (first, last), owners in slots.items():
                 if first <= slot <= last:

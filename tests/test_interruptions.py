@@ -511,17 +511,19 @@ async def test_a_nodes_min_words_lets_a_short_phrase_through_without_stopping(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("words", ["Stop.", "Hang on."])
 async def test_a_word_shorter_than_min_speech_still_interrupts_once_transcribed(
-    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, words: str
 ) -> None:
     """ "Stop." (~0.4 s) is over before min_speech_ms: the bot cannot pause for the sound, so
-    its words decide when they come, as they do after a pause."""
+    its words decide when they come, as they do after a pause. "Hang on." (~0.65 s) too,
+    though the endpoint silence after it runs past min_speech_ms (the quiet is no verdict)."""
     report, counted = await announce_call(
         gateway_factory,
         fake_openai,
         tmp_path,
-        [{"barge_in": {"say": "Stop.", "after": 1.5}}],
-        transcript="Stop.",
+        [{"barge_in": {"say": words, "after": 1.5}}],
+        transcript=words,
         policy=LONG_MIN_SPEECH,
     )
     assert len(report.clears) == 1, report.format_transcript()

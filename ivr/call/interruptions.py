@@ -206,10 +206,19 @@ class BargeInJudge:
         """The utterance is over: what it was judged (None if it never was). One over before
         ``min_speech_ms`` ("Stop.", "uh-huh" under a long minimum) never paused the bot; it is
         voiced, so worth transcribing, if a voice was heard in it and it was not last taken
-        for echo (an echo check can only lock on after some audio)."""
+        for echo (an echo check can only lock on after some audio). Its endpoint silence may
+        run past the minimum: the quiet checked then is no verdict on the words before it."""
         utterance, self._utterance = self._utterance, None
-        if utterance is not None and not utterance.verdicts and Verdict.SPEECH in utterance.early:
-            decisive = [v for v in utterance.early if v in (Verdict.SPEECH, Verdict.ECHO)]
+        if (
+            utterance is not None
+            and not utterance.taken_for_speech
+            and Verdict.SPEECH in utterance.early
+        ):
+            decisive = [
+                v
+                for v in utterance.early + utterance.verdicts
+                if v in (Verdict.SPEECH, Verdict.ECHO)
+            ]
             utterance.voiced = decisive[-1] is Verdict.SPEECH
         return utterance
 

@@ -10,20 +10,24 @@ While it speaks, the caller produces one of:
 - ``echo``: nothing of its own, but the line carries the bot back 20 dB down, 100 ms late
   (STT, if asked, hears the bot's words);
 - ``real``: a full sentence ("Sorry, can I talk to someone about my bill?"), and
-  ``real+echo``: the same over the echo (double talk).
+  ``real+echo``: the same over the echo (double talk);
+- ``habit``: two backchannels, then a real sentence, in the same call: the caller's
+  backchannel habit (``interruptions.backchannel_hold_ms``) at work.
 
 Per kind it prints: **false %** (the announcement was abandoned: the caller did not hear all
 of it), **paused %** (a ``clear`` was sent, the announcement resumed), and for real ones
 **missed %** (no ``clear``) and the ``clear`` latency from the caller's speech onset (the first
 frame of the clip leaving the caller; +-10 ms) p50/p95. For paused trials, **gap** p50/max: the
 silence the pause put into the announcement (the bot's audio span minus its audio, less the
-same for the announcement heard uninterrupted). STT answers after ``--stt-ms`` (the issue's
-150 ms).
+same for the announcement heard uninterrupted). For ``habit``: how often the first and the
+second backchannel paused the bot, and the sentence's ``clear`` latency from its onset. STT
+answers after ``--stt-ms`` (the issue's 150 ms).
 
     .venv/bin/python bench/interruptions.py                      # 20 trials per kind, 4 lanes
     .venv/bin/python bench/interruptions.py --trials 50 --lanes 5 --vad silero --json
     .venv/bin/python bench/interruptions.py --kinds backchannel --trials 12
     .venv/bin/python bench/interruptions.py --kinds backchannel,real --min-speech-ms 900
+    .venv/bin/python bench/interruptions.py --kinds habit --backchannel-hold-ms 0  # habit off
 
 ``--min-speech-ms`` sets the flow's ``interruptions.min_speech_ms``: how long caller speech
 lasts before the bot pauses (a backchannel shorter than that plays through, and a real
@@ -42,7 +46,7 @@ import statistics
 import tempfile
 import time
 import wave
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,12 +66,13 @@ from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.audio import voiced_seconds
 from ivr.testing.openai_server import FakeOpenAIServer, Fault
 from ivr.tts.openai_http import OpenAIHttpTts
 
 AUTH_TOKEN = "bench-auth-token"
 PUBLIC_URL = "https://gw.example.com"
-KINDS = ("backchannel", "noise", "echo", "real", "real+echo")
+KINDS = ("backchannel", "noise", "echo", "real", "real+echo", "habit")
 ANNOUNCEMENT = (
     "Thank you for calling Acme support. Our opening hours are nine to five on weekdays. "
     "On Saturdays we open at ten and close at two. We are closed on Sundays and holidays. "
@@ -82,6 +87,16 @@ REAL = [
     "Excuse me, what time do you close today?",
     "I would like to speak to an agent please.",
 ]
+PLAIN_REAL = [
+    "I would like to speak to an agent please.",
+    "Can I talk to someone about my bill?",
+    "What time do you close today?",
+    "I need to change my delivery address.",
+]
+"""For ``habit``: no comma early on, so the fake STT (which tells a backchannel from the
+sentence by its length) is not asked about "Sorry," on its own."""
+BACKCHANNEL_MAX_S = 0.9
+"""Voiced audio shorter than this is one of BACKCHANNELS (0.44-0.72 s), longer the sentence."""
 FLOW = f"""
 name: bench
 start: announce@DEFAULTS@
@@ -94,13 +109,12 @@ nodes:
 """
 
 
-def flow_yaml(min_speech_ms: int | None) -> str:
-    """The bench flow; ``min_speech_ms`` sets its interruption policy (None: the default)."""
-    policy = (
-        ""
-        if min_speech_ms is None
-        else (f"\ndefaults: {{interruptions: {{min_speech_ms: {min_speech_ms}}}}}")
-    )
+def flow_yaml(min_speech_ms: int | None, backchannel_hold_ms: int | None = None) -> str:
+    """The bench flow; ``min_speech_ms`` and ``backchannel_hold_ms`` set its interruption
+    policy (None: the default)."""
+    keys = {"min_speech_ms": min_speech_ms, "backchannel_hold_ms": backchannel_hold_ms}
+    given = ", ".join(f"{k}: {v}" for k, v in keys.items() if v is not None)
+    policy = f"\ndefaults: {{interruptions: {{{given}}}}}" if given else ""
     return FLOW.replace("@DEFAULTS@", policy)
 
 
@@ -114,6 +128,8 @@ class Trial:
     clear_latency_s: float | None = None
     silent_s: float = 0.0
     """Silence inside the bot's audio span as the caller heard it."""
+    backchannels_paused: tuple[bool, ...] = ()
+    """``habit``: whether each backchannel, in order, paused the bot (a clear during it)."""
     error: str = ""
 
 
@@ -185,7 +201,30 @@ def plan(trials: int, seed: int, workdir: Path) -> list[tuple[Trial, dict[str, A
         step = {"barge_in": {"say": sentence, "after": after}}
         out.append((Trial("real", sentence, after), step, sentence))
         out.append((Trial("real+echo", sentence, after), step, sentence))
+        first, second = word, list(BACKCHANNELS)[(i + 1) % len(BACKCHANNELS)]
+        plain = PLAIN_REAL[i % len(PLAIN_REAL)]
+        steps = [
+            {"barge_in": {"say": first, "after": after}},
+            {"barge_in": {"say": second, "after": round(rng.uniform(0.8, 2.0), 2)}},
+            {"barge_in": {"say": plain, "after": round(rng.uniform(0.8, 2.0), 2)}},
+        ]
+        habit = Trial("habit", f"{first}, {second}, {plain}", after)
+        out.append((habit, {"steps": steps, "words": [first, second]}, plain))
     return out
+
+
+def habit_transcript(words: list[str], sentence: str) -> Callable[[bytes, dict[str, str]], str]:
+    """The fake STT of a ``habit`` trial: a short clip is the backchannel said at that point
+    (the first until it has been transcribed, then the second), a long one the sentence."""
+    heard: list[str] = []
+
+    def transcribe(wav: bytes, form: dict[str, str]) -> str:
+        if voiced_seconds(wav) >= BACKCHANNEL_MAX_S:
+            return sentence
+        heard.append(words[min(len(heard), len(words) - 1)])
+        return BACKCHANNELS[heard[-1]]
+
+    return transcribe
 
 
 async def run_trial(
@@ -196,9 +235,13 @@ async def run_trial(
     text: str,
     stt_s: float,
 ) -> None:
-    fake.transcribe = lambda wav, form: text
+    habit = trial.kind == "habit"
+    if habit:
+        fake.transcribe = habit_transcript(step["words"], text)
+    else:
+        fake.transcribe = lambda wav, form: text
     fake.faults["transcriptions"] = Fault(delay=stt_s)
-    steps = [step, {"silence": 20.0}, {"hangup": None}]
+    steps = [*(step["steps"] if habit else [step]), {"silence": 20.0}, {"hangup": None}]
     script = script_from_data({"steps": steps, "wait_for_greeting": False})
     echo = LineEcho(0.1, -20.0) if trial.kind.endswith("echo") else None
     report: CallReport = await place_call(
@@ -217,7 +260,15 @@ async def run_trial(
     # leaves within 20 ms; its first 10 ms are quiet): onset is known to about +-10 ms.
     first = report.turns[0].bot_first_audio_t if report.turns else None
     onset = None if first is None else first + trial.after
-    if onset is not None and trial.kind.startswith("real"):
+    if habit:  # onsets from the report: the first clip starts when the caller queued it
+        said = [t.caller_start_t for t in report.turns if t.caller_text is not None]
+        if len(said) == 3:
+            onset = said[2]
+            spans = [(said[0], said[1]), (said[1], said[2])]
+            trial.backchannels_paused = tuple(
+                any(a <= c < b for c in report.clears) for a, b in spans
+            )
+    if onset is not None and (habit or trial.kind.startswith("real")):
         later = [c - onset for c in report.clears if c >= onset]
         trial.clear_latency_s = min(later) if later else None
 
@@ -227,7 +278,7 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         workdir = Path(tmp)
         flows = workdir / "flows"
         flows.mkdir()
-        (flows / "bench.yaml").write_text(flow_yaml(args.min_speech_ms))
+        (flows / "bench.yaml").write_text(flow_yaml(args.min_speech_ms, args.backchannel_hold_ms))
         (flows / "routes.yaml").write_text("default: bench\n")
         kinds = args.kinds.split(",")
         todo = [item for item in plan(args.trials, args.seed, workdir) if item[0].kind in kinds]
@@ -262,7 +313,11 @@ def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, 
             "n": n,
             "errors": sum(t.kind == kind and bool(t.error) for t in trials),
         }
-        if kind.startswith("real"):
+        if kind == "habit":
+            for i, nth in enumerate(("first", "second")):
+                known = [t.backchannels_paused[i] for t in mine if t.backchannels_paused]
+                row[f"{nth}_paused_pct"] = 100 * sum(known) / len(known) if known else None
+        if kind.startswith("real") or kind == "habit":
             lat = sorted(t.clear_latency_s for t in mine if t.clear_latency_s is not None)
             row["missed_pct"] = 100 * (n - len(lat)) / n
             row["clear_p50_ms"] = 1000 * statistics.median(lat) if lat else None
@@ -270,7 +325,7 @@ def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, 
                 1000 * lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None
             )
             row["clear_max_ms"] = 1000 * lat[-1] if lat else None
-        else:
+        if kind in ("backchannel", "noise", "echo"):
             row["false_pct"] = 100 * abandoned / n
             row["paused_pct"] = 100 * paused / n
             gaps = sorted(
@@ -280,6 +335,22 @@ def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, 
             row["gap_max_ms"] = 1000 * gaps[-1] if gaps else None
         out[kind] = row
     return out
+
+
+def print_habit(row: dict[str, Any]) -> None:
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f} %"
+
+    print(
+        f"habit: 1st backchannel paused {pct(row['first_paused_pct'])}, 2nd "
+        f"{pct(row['second_paused_pct'])}; the sentence after them: missed "
+        f"{pct(row['missed_pct'])}, clear p50 / p95 / max "
+        + " / ".join(
+            "-" if row[k] is None else f"{row[k]:.0f}"
+            for k in ("clear_p50_ms", "clear_p95_ms", "clear_max_ms")
+        )
+        + " ms"
+    )
 
 
 def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> None:
@@ -292,6 +363,8 @@ def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> N
         return f"{'-':>{w}}" if v is None else f"{v:>{w - len(unit)}.0f}{unit}"
 
     for kind, r in rows.items():
+        if kind == "habit":
+            continue
         print(
             f"{kind:<12} {r['n']:>4} {cell(r.get('false_pct'), 8)} {cell(r.get('paused_pct'), 9)} "
             f"{cell(r.get('missed_pct'), 9)} {cell(r.get('clear_p50_ms'), 10, 'ms')} "
@@ -339,6 +412,12 @@ async def main() -> None:
         default=None,
         help="the flow's interruptions.min_speech_ms (default: the gateway's, 100)",
     )
+    parser.add_argument(
+        "--backchannel-hold-ms",
+        type=int,
+        default=None,
+        help="the flow's interruptions.backchannel_hold_ms (0: no backchannel habit)",
+    )
     parser.add_argument("--label", default="this build")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="print every trial")
@@ -349,6 +428,8 @@ async def main() -> None:
     trials = await run(args)
     rows = summarise(trials, full_s, silent_s)
     print_table(f"{args.label}: vad={args.vad}, {args.trials} trials per kind", rows, full_s)
+    if "habit" in rows:
+        print_habit(rows["habit"])
     errors = [t for t in trials if t.error]
     for t in errors[:5]:
         print(f"  error in {t.kind} ({t.detail}): {t.error[:200]}")

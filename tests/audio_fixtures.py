@@ -66,18 +66,6 @@ def noise_pcm16(seconds: float, dbfs: float = -50.0, seed: int = 0, color: str =
     return _phone_channel_pcm(x)
 
 
-def voiced_seconds(wav: bytes, threshold_db: float = -40.0) -> float:
-    """Seconds of a WAV (as an STT request carries it) louder than ``threshold_db`` in 20 ms
-    frames: how much the caller said, whatever silence surrounds it."""
-    from ivr.audio.wav import wav_to_pcm16
-
-    audio = wav_to_pcm16(wav)
-    x = np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float64)
-    frame = audio.sample_rate // 50
-    rms = np.sqrt((x[: len(x) // frame * frame].reshape(-1, frame) ** 2).mean(axis=1))
-    return float((rms > 32768 * 10 ** (threshold_db / 20)).sum()) / 50
-
-
 def trimmed(pcm16: bytes) -> bytes:
     """Just the active span of a clip (see ``active_span``)."""
     start, end = active_span(pcm16)

@@ -16,14 +16,19 @@ import httpx
 import numpy as np
 import pytest
 import soxr
-from audio_fixtures import speech_pcm16, trimmed, voiced_seconds
+from audio_fixtures import speech_pcm16, trimmed
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
 from ivr.audio.voicing import voiced_frames
-from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
+from ivr.call.interruptions import (
+    BACKCHANNEL_MARGIN_MS,
+    DEFAULT_POLICY,
+    BackchannelHabit,
+    InterruptionPolicy,
+)
 from ivr.call.player import AudioPlayer, phrase_start
 from ivr.engines.espeak_tts import synthesize_pcm16
 from ivr.flows.loader import load_flow_text
@@ -35,6 +40,7 @@ from ivr.sim.caller import LineEcho, place_call
 from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
+from ivr.testing.audio import voiced_seconds
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 
@@ -62,6 +68,33 @@ def test_min_words_and_an_empty_backchannel_list_change_what_interrupts() -> Non
     assert strict.is_real_turn("okay stop it now")  # "okay" does not count, three others do
     every_word = InterruptionPolicy(backchannels=())
     assert every_word.is_real_turn("okay")
+
+
+def test_a_callers_backchannel_habit_raises_the_minimum_past_their_longest_one() -> None:
+    habit = BackchannelHabit()
+    assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.min_speech_ms, "none heard yet"
+    habit.heard(450)
+    habit.heard(300)  # a shorter one later does not lower it
+    assert habit.hold_ms(DEFAULT_POLICY) == 450 + BACKCHANNEL_MARGIN_MS
+    habit.heard(1500)  # "okay, sure, yeah": capped at the node's backchannel_hold_ms
+    assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.backchannel_hold_ms
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        InterruptionPolicy(backchannel_hold_ms=0),
+        InterruptionPolicy(backchannels=()),  # "yeah" is an answer here, not a backchannel
+        InterruptionPolicy(min_speech_ms=1200),  # already above what the habit would ask
+    ],
+    ids=["hold-off", "no-backchannels", "higher-minimum"],
+)
+def test_a_node_can_keep_its_own_minimum_whatever_the_caller_does(
+    policy: InterruptionPolicy,
+) -> None:
+    habit = BackchannelHabit()
+    habit.heard(450)
+    assert habit.hold_ms(policy) == policy.min_speech_ms
 
 
 # -- echo and noise on real audio ----------------------------------------------------------
@@ -310,28 +343,71 @@ LONG_MIN_SPEECH = "\n    interruptions: {min_speech_ms: 900}"
 """Longer than a backchannel (~0.5 s): the bot pauses only for speech that lasts 0.9 s."""
 
 
+NO_HABIT = "\n    interruptions: {backchannel_hold_ms: 0}"
+"""Every backchannel pauses the bot, however many the caller has said."""
+ONE = ("uh-huh",)
+THREE = ("mm-hmm", "uh-huh", "okay")
+"""The longest first (espeak's "mm-hmm" 0.68 s, "uh-huh" 0.48 s, "okay" shorter): after it,
+the other two are well inside what the caller's habit allows."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("policy", "clears"), [("", 1), (LONG_MIN_SPEECH, 0)], ids=["default", "min_speech_900"]
+    ("policy", "words", "speculate_after_ms", "clears"),
+    [("", ONE, 0, 1), (LONG_MIN_SPEECH, ONE, 0, 0), ("", THREE, 60, 1), (NO_HABIT, THREE, 60, 3)],
+    ids=["default", "min_speech_900", "habit", "backchannel_hold_0"],
 )
-async def test_a_backchannel_pauses_the_bot_which_resumes_or_with_a_long_minimum_plays_on(
+async def test_backchannels_pause_the_bot_at_most_once_and_it_always_resumes(
     gateway_factory: GatewayFactory,
     fake_openai: FakeOpenAIServer,
     tmp_path: Path,
     policy: str,
+    words: tuple[str, ...],
+    speculate_after_ms: int,
     clears: int,
 ) -> None:
+    # By default the first backchannel pauses the bot (one clear) and it resumes; later
+    # ones play through, the caller's habit being known; a long min_speech_ms lets even the
+    # first through, and backchannel_hold_ms: 0 makes every one pause it.
     report, counted = await announce_call(
         gateway_factory,
         fake_openai,
         tmp_path,
-        [{"barge_in": {"say": "uh-huh", "after": 1.5}}],
+        [{"barge_in": {"say": word, "after": 1.2}} for word in words],
         transcript="Uh-huh.",
         policy=policy,
+        speculate_after_ms=speculate_after_ms,
     )
-    assert len(report.clears) == clears, "default: one pause (a clear); a long minimum: none"
-    assert report.bot_audio_s > FULL_S, "... and the announcement is heard to its end"
-    assert counted.get("speech/backchannel") == 1 and not counted.get("speech/interrupted")
+    assert len(report.clears) == clears, report.format_transcript()
+    assert report.bot_audio_s > FULL_S, "the announcement is heard to its end"
+    assert counted.get("speech/backchannel") == len(words)
+    assert not counted.get("speech/interrupted")
+
+
+@pytest.mark.slow
+async def test_a_backchanneling_caller_can_still_interrupt(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    # After "uh-huh" the bot waits longer before pausing for this caller: a real sentence
+    # still stops it, once it has lasted past their backchannel (~0.6 s, not 0.1 s).
+    sentence = "I would like to speak to an agent please."
+    report, counted = await announce_call(
+        gateway_factory,
+        fake_openai,
+        tmp_path,
+        [
+            {"barge_in": {"say": "uh-huh", "after": 1.2}},
+            {"barge_in": {"say": sentence, "after": 1.2}},
+        ],
+        transcript=lambda wav, form: "Uh-huh." if voiced_seconds(wav) < 0.9 else sentence,
+        speculate_after_ms=60,
+    )
+    assert counted.get("speech/backchannel") == 1 and counted.get("speech/interrupted") == 1
+    assert len(report.clears) == 2, report.format_transcript()
+    said_at = next(t.caller_start_t for t in report.turns if t.caller_text == sentence)
+    stop = report.clears[1] - said_at
+    assert 0.4 < stop < 1.2, f"the sentence stopped the bot {stop:.2f} s after its onset"
+    assert report.bot_audio_s < FULL_S - 3, "the announcement went on after the interruption"
 
 
 async def uh_huh_with_early_verdicts(

@@ -12,12 +12,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from audio_fixtures import voiced_seconds
 from gateway_support import GatewayFactory, dial
 from prometheus_client import REGISTRY
 
 from ivr.config import CLOUD_HEARD_WITHIN
 from ivr.sim.report import CallReport
+from ivr.testing.audio import voiced_seconds
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 pytestmark = pytest.mark.slow

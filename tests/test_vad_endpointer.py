@@ -284,3 +284,26 @@ def test_moving_the_silence_ends_this_turn_sooner_or_later_and_only_this_turn(
 def test_a_pause_must_be_shorter_than_the_end_silence() -> None:
     with pytest.raises(ValidationError, match="pause_ms"):
         EndpointConfig(silence_ms=300, pause_ms=300)
+
+
+def test_the_speech_span_stops_growing_when_the_caller_stops_and_matches_the_end() -> None:
+    # A caller's backchannel habit is learned from an utterance's speech_ms and held against
+    # the span of the next one while it is in progress: both must measure the same thing.
+    speech = trimmed(speech_pcm16("Mm-hmm."))
+    timeline = noise_pcm16(0.5, seed=1) + speech + noise_pcm16(1.0, seed=2)
+    ep = Endpointer(WebRtcVad(3), EndpointConfig(silence_ms=300))
+    spans: list[int] = []
+    ended: SpeechEnded | None = None
+    for frame, t in frames(timeline):
+        event = ep.push(frame, t)
+        if isinstance(event, SpeechEnded):
+            ended = event
+            break
+        spans.append(ep.speech_span_ms)
+    assert ended is not None
+    assert spans == sorted(spans), "the span never shrinks"
+    assert max(spans) == ended.speech_ms + ep.hangover_ms
+    # In the silence before the end, the span stood still while time went on.
+    assert spans[-1] == spans[-5]
+    assert abs(max(spans) / 1000 - seconds(speech)) <= 0.1 + ep.hangover_ms / 1000
+    assert ep.speech_span_ms == 0, "between utterances"

@@ -196,6 +196,21 @@ class Endpointer:
         return max(0, self._voiced - self._hangover_frames) * self._vad.frame_ms
 
     @property
+    def speech_span_ms(self) -> int:
+        """The utterance in progress from its first speech frame to its latest one, the VAD's
+        hangover included (0 between utterances): it stops growing once the caller stops,
+        where the time since the onset would not."""
+        if not self._in_speech:
+            return 0
+        return round((self._last_speech_end - self._t_start) * 1000)
+
+    @property
+    def hangover_ms(self) -> int:
+        """The VAD hangover taken off an utterance's end (``SpeechEnded.speech_ms`` plus this
+        is the ``speech_span_ms`` it had at its last speech frame)."""
+        return self._hangover_frames * self._vad.frame_ms
+
+    @property
     def silence_ms(self) -> int:
         """The silence that ends the turn in progress (the configured one unless moved)."""
         return (self._silence_frames + self._hangover_frames) * self._vad.frame_ms

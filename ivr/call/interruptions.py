@@ -16,6 +16,10 @@ Three questions, in the order the audio answers them:
    checked from its onset, but the bot pauses only once it has lasted ``min_speech_ms``; a
    node that raises it lets a short backchannel play through with no pause at all, and a
    word over before it ("Stop.") interrupts when transcribed.
+4. **This caller's habit.** Once a caller has backchanneled in a call, their sound over the bot
+   pauses it only once it has lasted 200 ms longer than their longest backchannel so far
+   (``BackchannelHabit``): the next "uh-huh" plays through, and their real interruptions stop
+   the bot that much later. A listener who says "mm-hmm" is not cut off at every one.
 
 ``InterruptionPolicy`` is per flow node (``interruptions:`` in YAML); ``BargeInJudge`` is per
 call and holds the caller-side audio the checks need.
@@ -46,6 +50,9 @@ DEFAULT_BACKCHANNELS: tuple[str, ...] = (
 )  # fmt: skip
 """Said to show the caller is listening, not to take the floor (English)."""
 
+BACKCHANNEL_MARGIN_MS = 200
+"""The caller's next backchannel may run this much longer than their longest so far."""
+
 ECHO_DELAY_SLACK_S = 0.02
 """Jitter allowed around a known echo delay before searching the whole range again."""
 QUIET_DB = -50.0
@@ -72,6 +79,8 @@ class InterruptionPolicy:
     """Correlation with the bot's audio above which caller sound is taken for echo."""
     noise_hold_ms: int = 200
     """Unvoiced sound is not an interruption until it has lasted this long from its onset."""
+    backchannel_hold_ms: int = 900
+    """Most that a caller's backchannel habit may raise ``min_speech_ms`` to (0: never)."""
 
     def is_real_turn(self, text: str) -> bool:
         """Enough words that are not backchannel to take the floor."""
@@ -85,6 +94,35 @@ class InterruptionPolicy:
 
 
 DEFAULT_POLICY = InterruptionPolicy()
+
+
+@dataclass(slots=True)
+class BackchannelHabit:
+    """Per call: how long this caller's backchannels run, once they have said one.
+
+    Someone who says "uh-huh" once will say it again; pausing the bot for every one costs
+    them a gap each time (~0.6 s), while their real interruptions, which start like a
+    backchannel ("yeah, but"), can afford to stop the bot a little later. Kept in memory: a
+    call resumed on another instance learns it again from the caller's next backchannel.
+    """
+
+    longest_ms: int | None = None
+
+    def heard(self, span_ms: int) -> None:
+        """A sound over the bot turned out to be backchannel; its speech spanned ``span_ms``
+        (as ``Endpointer.speech_span_ms`` measures it)."""
+        if self.longest_ms is None or span_ms > self.longest_ms:
+            self.longest_ms = span_ms
+            log.info("barge_in.backchannel_habit", longest_ms=span_ms)
+
+    def hold_ms(self, policy: InterruptionPolicy) -> int:
+        """Speech span over the bot before it pauses, for this caller under ``policy``:
+        raised past their backchannels, up to ``backchannel_hold_ms``, where backchannel is a
+        thing (a node where "yeah" is an answer, ``backchannels: []``, keeps its minimum)."""
+        if self.longest_ms is None or not policy.backchannels or policy.backchannel_hold_ms <= 0:
+            return policy.min_speech_ms
+        learned = min(policy.backchannel_hold_ms, self.longest_ms + BACKCHANNEL_MARGIN_MS)
+        return max(policy.min_speech_ms, learned)
 
 
 @runtime_checkable
@@ -158,6 +196,7 @@ class BargeInJudge:
         self._utterance: JudgedUtterance | None = None
         self._echo_delay: float | None = None
         """The echo path's delay, once found: later checks search only around it."""
+        self.habit = BackchannelHabit()
 
     def push(self, pcm16_frame: bytes, ends_at: float) -> None:
         self._near.append(pcm16_frame)
@@ -222,15 +261,24 @@ class BargeInJudge:
             utterance.voiced = decisive[-1] is Verdict.SPEECH
         return utterance
 
-    def judge(self, stream_now: float, voiced_ms: int, policy: InterruptionPolicy) -> Verdict:
+    def judge(
+        self, stream_now: float, voiced_ms: int, span_ms: int, policy: InterruptionPolicy
+    ) -> Verdict:
         """Is the sound in progress the caller taking the floor? ``voiced_ms``: the endpointer's
-        own (conservative, hangover-free) measure of it, for sound that has no voice."""
+        own (conservative, hangover-free) measure of it, for sound that has no voice;
+        ``span_ms``: its ``speech_span_ms``, for the caller's backchannel habit."""
         utterance = self._utterance
         if utterance is None:
             return Verdict.WAIT
         utterance.over_bot = True
         elapsed_ms = (stream_now - utterance.onset) * 1000
-        early = elapsed_ms < policy.min_speech_ms
+        # A caller's habit is held against the speech's span, the measure a backchannel's
+        # length was learned in: it stops growing when they stop, so the trailing edge of
+        # "mm-hmm", still in the checks' 240 ms window, does not pause the bot.
+        hold_ms = self.habit.hold_ms(policy)
+        early = elapsed_ms < policy.min_speech_ms or (
+            hold_ms > policy.min_speech_ms and span_ms < hold_ms
+        )
         verdicts = utterance.early if early else utterance.verdicts
         last = verdicts[-1] if verdicts else Verdict.WAIT
         # Echo goes on as long as the bot talks: check it every other frame (~0.2 ms each).
@@ -240,7 +288,7 @@ class BargeInJudge:
         utterance.checked_at_frame = self._frames
         # Checked from the onset, so that a sound over before min_speech_ms is still known for
         # speech or not (see ``end``); the bot pauses only once it has lasted that long.
-        verdict = self._check(utterance, elapsed_ms, voiced_ms, policy)
+        verdict = self._check(utterance, early, elapsed_ms, voiced_ms, policy, hold_ms)
         verdicts.append(verdict)
         return Verdict.WAIT if early else verdict
 
@@ -266,9 +314,11 @@ class BargeInJudge:
     def _check(
         self,
         utterance: JudgedUtterance,
+        early: bool,
         elapsed_ms: float,
         voiced_ms: int,
         policy: InterruptionPolicy,
+        hold_ms: int,
     ) -> Verdict:
         near = self._recent()
         if level_db(near[-RATE // 10 :]) < QUIET_DB:
@@ -286,10 +336,10 @@ class BargeInJudge:
                 return Verdict.ECHO
         if voiced_frames(near) > 0:
             # Before min_speech_ms an echo check may not have locked on yet: ``end`` decides.
-            utterance.voiced = utterance.voiced or elapsed_ms >= policy.min_speech_ms
+            utterance.voiced = utterance.voiced or not early
             return Verdict.SPEECH
         # No voice (yet): a cough, a door, static, or the "s" of "stop". Long enough, and
         # loud enough for the endpointer to count it, it pauses the bot all the same.
-        if elapsed_ms >= policy.noise_hold_ms and voiced_ms >= policy.min_speech_ms:
+        if elapsed_ms >= policy.noise_hold_ms and voiced_ms >= hold_ms:
             return Verdict.SPEECH
         return Verdict.NOISE

@@ -192,6 +192,8 @@ class CallSession:
         self._paused_speech: SpeechHandle | None = None
         """Paused for caller speech, waiting for its transcript to stand or resume."""
         self._last_utterance_over_bot = False
+        self._last_utterance_ms = 0
+        """How long the caller spoke in the utterance handed to STT last."""
         self._pause_deadline: asyncio.TimerHandle | None = None
         self._early_verdict: asyncio.Task[None] | None = None
         """Transcribing the caller's words over a paused prompt at their first pause."""
@@ -247,7 +249,10 @@ class CallSession:
         speech = self._speech
         if judge.bot_audible() or (speech is not None and speech.paused):
             policy = self._policy
-            verdict = judge.judge(self._frame_end, self._endpointer.voiced_ms, policy)
+            endpointer = self._endpointer
+            verdict = judge.judge(
+                self._frame_end, endpointer.voiced_ms, endpointer.speech_span_ms, policy
+            )
             if verdict is not Verdict.SPEECH:
                 return
         elif self._endpointer.voiced_ms < self._min_speech_ms:
@@ -313,7 +318,7 @@ class CallSession:
         self._drop_speculation()
         if self._paused_speech is not None:
             if event.speech_ms <= BACKCHANNEL_MAX_MS:  # longer is no "uh-huh": wait for it all
-                self._judge_words_early(event.audio, self._paused_speech)
+                self._judge_words_early(event.audio, event.speech_ms, self._paused_speech)
             return
         if not self._speculating():
             return
@@ -746,6 +751,7 @@ class CallSession:
                 log.info("barge_in.ignored", outcome=outcome.value)
             return True
         self._last_utterance_over_bot = judged is not None and judged.over_bot
+        self._last_utterance_ms = event.speech_ms
         if self._paused_speech is not None:  # its transcript decides; never wait forever
             self._cancel_pause_deadline()
             self._pause_deadline = asyncio.get_running_loop().call_later(
@@ -776,7 +782,7 @@ class CallSession:
         bot_on = paused is not None or (over_bot and self._speech is not None)
         if bot_on and isinstance(item, Utterance) and self._only_listening(paused, item.text):
             outcome = Outcome.BACKCHANNEL if words_of(item.text) else Outcome.RESUMED
-            self._resume(outcome, item.text)
+            self._resume(outcome, item.text, self._last_utterance_ms)
             return
         self._put_input(item)
         if paused is not None:
@@ -798,16 +804,18 @@ class CallSession:
             return False
         return not self._policy.is_real_turn(text)
 
-    def _judge_words_early(self, pcm16_8k: bytes, speech: SpeechHandle) -> None:
+    def _judge_words_early(self, pcm16_8k: bytes, speech_ms: int, speech: SpeechHandle) -> None:
         """The caller paused in their sound over a paused prompt: their words so far may be
         a backchannel already ("uh-huh" ends in such a pause). Ask now rather than after the
         endpoint silence, so the prompt goes on ~250 ms sooner."""
         self._cancel_early_verdict()
         self._early_verdict = asyncio.create_task(
-            self._resume_on_backchannel(pcm16_8k, speech), name="early-barge-in-verdict"
+            self._resume_on_backchannel(pcm16_8k, speech_ms, speech), name="early-barge-in-verdict"
         )
 
-    async def _resume_on_backchannel(self, pcm16_8k: bytes, speech: SpeechHandle) -> None:
+    async def _resume_on_backchannel(
+        self, pcm16_8k: bytes, speech_ms: int, speech: SpeechHandle
+    ) -> None:
         audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
         try:
             text = (await self._stt.transcribe(audio)).text.strip()
@@ -825,7 +833,7 @@ class CallSession:
         metrics.SPECULATION.labels("stt", "used" if backchannel else "wasted").inc()
         if backchannel:
             self._resumed_early = True
-            self._resume(Outcome.BACKCHANNEL, text)
+            self._resume(Outcome.BACKCHANNEL, text, speech_ms)
 
     def _cancel_early_verdict(self) -> None:
         task, self._early_verdict = self._early_verdict, None
@@ -838,7 +846,11 @@ class CallSession:
             self._pause_deadline.cancel()
             self._pause_deadline = None
 
-    def _resume(self, outcome: Outcome, text: str) -> None:
+    def _resume(self, outcome: Outcome, text: str, speech_ms: int = 0) -> None:
+        """The caller's sound did not take the floor: a paused prompt goes on. A backchannel
+        (``speech_ms`` long) teaches the call this caller's habit (``BackchannelHabit``)."""
+        if outcome is Outcome.BACKCHANNEL and speech_ms > 0:
+            self._judge.habit.heard(speech_ms + self._endpointer.hangover_ms)
         self._cancel_pause_deadline()
         paused, self._paused_speech = self._paused_speech, None
         metrics.BARGE_INS.labels("speech", outcome.value).inc()

@@ -215,11 +215,21 @@ class Interruptions(Spec):
         description="Phrases that show the caller is listening (default: uh-huh, mm-hmm, "
         "okay, yeah, right, ...); [] makes every word count.",
     )
+    backchannel_hold_ms: int = Field(
+        default=900,
+        ge=0,
+        le=2000,
+        description="Once the caller has backchanneled in the call, caller sound before the "
+        "prompt pauses is raised past their longest backchannel, up to this; 0: never.",
+    )
 
     def policy(self) -> InterruptionPolicy:
         words = DEFAULT_BACKCHANNELS if self.backchannels is None else tuple(self.backchannels)
         return InterruptionPolicy(
-            min_speech_ms=self.min_speech_ms, min_words=self.min_words, backchannels=words
+            min_speech_ms=self.min_speech_ms,
+            min_words=self.min_words,
+            backchannels=words,
+            backchannel_hold_ms=self.backchannel_hold_ms,
         )
 
 

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
 from ivr.audio.voicing import voiced_frames
+from ivr.audio.wav import pcm16_to_wav
 from ivr.call.interruptions import (
     BACKCHANNEL_MARGIN_MS,
     DEFAULT_POLICY,
@@ -40,7 +41,7 @@ from ivr.sim.caller import LineEcho, place_call
 from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
-from ivr.testing.audio import voiced_seconds
+from ivr.testing.audio import KnownSpeech, voiced_seconds
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 
@@ -343,6 +344,12 @@ LONG_MIN_SPEECH = "\n    interruptions: {min_speech_ms: 900}"
 """Longer than a backchannel (~0.5 s): the bot pauses only for speech that lasts 0.9 s."""
 
 
+STT_FAULTS = pytest.mark.parametrize(
+    "fault",
+    [Fault(hang=True, times=1), Fault(status=500, times=1), Fault(drop=True, times=1)],
+    ids=["stalls", "500", "reset"],
+)
+"""An STT request that stalls, fails or is reset (once)."""
 NO_HABIT = "\n    interruptions: {backchannel_hold_ms: 0}"
 """Every backchannel pauses the bot, however many the caller has said."""
 ONE = ("uh-huh",)
@@ -384,30 +391,100 @@ async def test_backchannels_pause_the_bot_at_most_once_and_it_always_resumes(
     assert not counted.get("speech/interrupted")
 
 
-@pytest.mark.slow
-async def test_a_backchanneling_caller_can_still_interrupt(
-    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
-) -> None:
-    # After "uh-huh" the bot waits longer before pausing for this caller: a real sentence
-    # still stops it, once it has lasted past their backchannel (~0.6 s, not 0.1 s).
+def test_the_stand_in_stt_tells_which_utterance_and_how_much_of_it_was_said() -> None:
+    # The local STT of the tests below answers a request made mid-sentence with the words
+    # said so far, as a real one would, so a test can see what the gateway does with them.
     sentence = "I would like to speak to an agent please."
+    stt = KnownSpeech({"uh-huh": "Uh-huh.", "okay": "Okay.", sentence: sentence}, synthesize_pcm16)
+
+    def request(text: str, seconds: float) -> bytes:
+        pcm, rate = synthesize_pcm16(text)  # another synthesis: espeak varies a little
+        x = np.frombuffer(pcm, dtype="<i2")[: round(seconds * rate)]
+        lead = np.zeros(rate // 5, dtype="<i2")  # the endpointer's pre-roll
+        return pcm16_to_wav(np.concatenate((lead, x)).tobytes(), rate)
+
+    assert stt(request("uh-huh", 0.3)) == "Uh-huh."
+    assert stt(request("okay", 5.0)) == "Okay."
+    assert stt(request(sentence, 0.35)) == "I"
+    assert stt(request(sentence, 1.0)) == "I would like to"
+    assert stt(request(sentence, 5.0)) == sentence
+
+
+SENTENCE = "I would like to speak to an agent please."
+
+
+async def uh_huh_then_a_sentence(
+    gateway_factory: GatewayFactory,
+    fake: FakeOpenAIServer,
+    tmp_path: Path,
+    transcript: Callable[[bytes, dict[str, str]], str],
+    speculate_after_ms: int,
+) -> tuple[CallReport, dict[str, float], float]:
+    """ "uh-huh" over the announcement, then SENTENCE: the report, the barge-in counts, and
+    how long after the sentence's onset the last ``clear`` came."""
     report, counted = await announce_call(
         gateway_factory,
-        fake_openai,
+        fake,
         tmp_path,
         [
             {"barge_in": {"say": "uh-huh", "after": 1.2}},
-            {"barge_in": {"say": sentence, "after": 1.2}},
+            {"barge_in": {"say": SENTENCE, "after": 1.2}},
         ],
-        transcript=lambda wav, form: "Uh-huh." if voiced_seconds(wav) < 0.9 else sentence,
-        speculate_after_ms=60,
+        transcript=transcript,
+        speculate_after_ms=speculate_after_ms,
+    )
+    said_at = next(t.caller_start_t for t in report.turns if t.caller_text == SENTENCE)
+    return report, counted, report.clears[-1] - said_at
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("speculate_after_ms", "within"),
+    [(60, (0.25, 0.7)), (0, (0.6, 1.2))],
+    ids=["words-so-far", "hold-only"],
+)
+async def test_a_backchanneling_caller_can_still_interrupt(
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+    tmp_path: Path,
+    speculate_after_ms: int,
+    within: tuple[float, float],
+) -> None:
+    # After "uh-huh" the bot holds on longer for this caller, but a real sentence still stops
+    # it: at once when its words so far ("I would") are transcribed 300 ms in, or, with
+    # speculation off, once it has run past the caller's backchannel (~0.9 s).
+    known = KnownSpeech({"uh-huh": "Uh-huh.", SENTENCE: SENTENCE}, synthesize_pcm16)
+    report, counted, stop = await uh_huh_then_a_sentence(
+        gateway_factory, fake_openai, tmp_path, known, speculate_after_ms
     )
     assert counted.get("speech/backchannel") == 1 and counted.get("speech/interrupted") == 1
     assert len(report.clears) == 2, report.format_transcript()
-    said_at = next(t.caller_start_t for t in report.turns if t.caller_text == sentence)
-    stop = report.clears[1] - said_at
-    assert 0.4 < stop < 1.2, f"the sentence stopped the bot {stop:.2f} s after its onset"
+    assert within[0] < stop < within[1], f"the sentence stopped the bot {stop:.2f} s in"
     assert report.bot_audio_s < FULL_S - 3, "the announcement went on after the interruption"
+
+
+@pytest.mark.slow
+@STT_FAULTS
+async def test_when_the_words_so_far_cannot_be_had_the_hold_still_ends(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, fault: Fault
+) -> None:
+    # The STT request for the sentence's words so far stalls, fails or is reset: the caller
+    # notices only that the bot stops later, when the hold runs out (~0.9 s), and the
+    # sentence's own transcript still interrupts; a stalled request is cancelled, not left.
+    known = KnownSpeech({"uh-huh": "Uh-huh.", SENTENCE: SENTENCE}, synthesize_pcm16)
+
+    def transcribe(wav: bytes, form: dict[str, str]) -> str:
+        text = known(wav)
+        if text == "Uh-huh.":  # the next request is the one made while the hold is on
+            fake_openai.faults["transcriptions"] = fault
+        return text
+
+    report, counted, stop = await uh_huh_then_a_sentence(
+        gateway_factory, fake_openai, tmp_path, transcribe, 60
+    )
+    assert counted.get("speech/interrupted") == 1, report.format_transcript()
+    assert 0.6 < stop < 1.2, f"the sentence stopped the bot {stop:.2f} s in"
+    assert "transcriptions" not in fake_openai.faults, "the request held over was not made"
 
 
 async def uh_huh_with_early_verdicts(
@@ -442,11 +519,7 @@ async def test_a_backchannel_is_judged_at_its_first_pause_not_after_the_endpoint
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "fault",
-    [Fault(hang=True, times=1), Fault(status=500, times=1), Fault(drop=True, times=1)],
-    ids=["stalls", "500", "reset"],
-)
+@STT_FAULTS
 async def test_an_early_verdict_whose_stt_fails_leaves_the_utterance_to_decide(
     gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, fault: Fault
 ) -> None:

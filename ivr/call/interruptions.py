@@ -176,6 +176,13 @@ class JudgedUtterance:
     def taken_for_speech(self) -> bool:
         return Verdict.SPEECH in self.verdicts
 
+    @property
+    def voice_heard(self) -> bool:
+        """A voice was heard in it, and it was not last taken for echo (an echo check can only
+        lock on after some audio, so an early voice may turn out to be the bot's)."""
+        decisive = [v for v in self.early + self.verdicts if v in (Verdict.SPEECH, Verdict.ECHO)]
+        return bool(decisive) and decisive[-1] is Verdict.SPEECH
+
 
 class BargeInJudge:
     """Per call: the last ``history_s`` of caller audio and what the bot played, and the checks.
@@ -248,18 +255,14 @@ class BargeInJudge:
         for echo (an echo check can only lock on after some audio). Its endpoint silence may
         run past the minimum: the quiet checked then is no verdict on the words before it."""
         utterance, self._utterance = self._utterance, None
-        if (
-            utterance is not None
-            and not utterance.taken_for_speech
-            and Verdict.SPEECH in utterance.early
-        ):
-            decisive = [
-                v
-                for v in utterance.early + utterance.verdicts
-                if v in (Verdict.SPEECH, Verdict.ECHO)
-            ]
-            utterance.voiced = decisive[-1] is Verdict.SPEECH
+        if utterance is not None and not utterance.taken_for_speech:
+            utterance.voiced = utterance.voice_heard
         return utterance
+
+    @property
+    def voice_so_far(self) -> bool:
+        """The sound in progress has a voice in it (see ``JudgedUtterance.voice_heard``)."""
+        return self._utterance is not None and self._utterance.voice_heard
 
     def judge(
         self, stream_now: float, voiced_ms: int, span_ms: int, policy: InterruptionPolicy

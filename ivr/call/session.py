@@ -82,6 +82,10 @@ STT worker and the re-ask's first frame all fit in it (a few ms each)."""
 BACKCHANNEL_MAX_MS = 1200
 """Caller speech over a paused prompt longer than this is not transcribed at its pauses: a
 backchannel ("uh-huh", "okay", "I see") is shorter, and each early request costs one."""
+HOLD_PROBE_MS = 300
+"""While a caller's backchannel habit holds the bot (``BackchannelHabit``), their words so far
+are transcribed once their speech has spanned this long: "I want..." pauses the bot then,
+not only when the hold runs out; "uh-", "yeah" hold on."""
 STT_QUEUE_SIZE = 4
 
 
@@ -199,6 +203,10 @@ class CallSession:
         """Transcribing the caller's words over a paused prompt at their first pause."""
         self._resumed_early = False
         """The paused prompt went on at that pause: the words were a backchannel."""
+        self._hold_probe: asyncio.Task[None] | None = None
+        """Transcribing the words so far of a sound the caller's habit holds the bot over."""
+        self._held_words_onset: float | None = None
+        """Onset of the sound whose words so far, transcribed while held, take the floor."""
 
     # -- inbound (called by the stream's receive loop) ------------------------------------
 
@@ -250,10 +258,13 @@ class CallSession:
         if judge.bot_audible() or (speech is not None and speech.paused):
             policy = self._policy
             endpointer = self._endpointer
-            verdict = judge.judge(
-                self._frame_end, endpointer.voiced_ms, endpointer.speech_span_ms, policy
-            )
-            if verdict is not Verdict.SPEECH:
+            span_ms = endpointer.speech_span_ms
+            verdict = judge.judge(self._frame_end, endpointer.voiced_ms, span_ms, policy)
+            if verdict is Verdict.WAIT and span_ms >= HOLD_PROBE_MS:
+                self._probe_held_words(onset, span_ms, policy)
+            if self._held_words_onset == onset:  # its words so far take the floor: speech
+                judge.confirm()
+            elif verdict is not Verdict.SPEECH:
                 return
         elif self._endpointer.voiced_ms < self._min_speech_ms:
             return
@@ -438,13 +449,60 @@ class CallSession:
         if pause is not None and not pause.task.done():
             pause.task.cancel()
             await asyncio.gather(pause.task, return_exceptions=True)
-        early, self._early_verdict = self._early_verdict, None
-        if early is not None and not early.done():
-            early.cancel()
-            await asyncio.gather(early, return_exceptions=True)
+        for task in (self._early_verdict, self._hold_probe):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._early_verdict = self._hold_probe = None
         await self._speech_prefetch.aclose()
 
+    def _probe_held_words(self, onset: float, span_ms: int, policy: InterruptionPolicy) -> None:
+        """The caller's habit holds the bot over their voice: ask what they are saying (once
+        per sound, only with speculation on: it costs an STT request)."""
+        speech = self._speech
+        if (
+            self._hold_probe is not None
+            or speech is None
+            or not speech.can_be_interrupted
+            or not self._endpointer.config.pause_ms
+            or span_ms >= self._judge.habit.hold_ms(policy)  # not held: it pauses by itself
+            or not self._judge.voice_so_far
+        ):
+            return
+        self._hold_probe = asyncio.create_task(
+            self._judge_held_words(self._endpointer.utterance_audio(), onset, speech),
+            name="held-words",
+        )
+
+    async def _judge_held_words(self, pcm16_8k: bytes, onset: float, speech: SpeechHandle) -> None:
+        """Mark the sound for a pause if its words so far are more than backchannel."""
+        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
+        try:
+            text = (await self._stt.transcribe(audio)).text.strip()
+        except ProviderError:  # the hold runs out as without this
+            metrics.SPECULATION.labels("stt", "failed").inc()
+            return
+        except Exception:  # a bug here must not end the call: the hold decides
+            log.exception("barge_in.held_words_failed")
+            return
+        current = self._speech_started_at == onset and not self._caller_confirmed
+        takes_floor = current and self._speech is speech and not self._only_listening(None, text)
+        metrics.SPECULATION.labels("stt", "used" if takes_floor else "wasted").inc()
+        if takes_floor:
+            # The receive loop pauses the bot at the next frame, as for any speech: the
+            # whole utterance is then transcribed when it ends, and that decides.
+            log.info("barge_in.held_words", pii_text=text)
+            self._held_words_onset = onset
+
+    def _cancel_hold_probe(self) -> None:
+        task, self._hold_probe = self._hold_probe, None
+        if task is not None and not task.done():
+            task.cancel()  # the sound ended first: its whole transcript decides
+            metrics.SPECULATION.labels("stt", "wasted").inc()
+
     def _end_caller_speech(self) -> None:
+        self._cancel_hold_probe()
+        self._held_words_onset = None
         self._caller_speaking = False
         self._caller_confirmed = False
         self._speech_started_at = None

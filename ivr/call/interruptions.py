@@ -18,8 +18,10 @@ Three questions, in the order the audio answers them:
    word over before it ("Stop.") interrupts when transcribed.
 4. **This caller's habit.** Once a caller has backchanneled in a call, their sound over the bot
    pauses it only once it has lasted 200 ms longer than their longest backchannel so far
-   (``BackchannelHabit``): the next "uh-huh" plays through, and their real interruptions stop
-   the bot that much later. A listener who says "mm-hmm" is not cut off at every one.
+   (``BackchannelHabit``), or sooner if their words so far, transcribed while the bot holds
+   on, are more than backchannel (``CallSession``). The next "uh-huh" plays through, and their
+   real interruptions stop the bot later. A listener who says "mm-hmm" is not cut off at
+   every one.
 
 ``InterruptionPolicy`` is per flow node (``interruptions:`` in YAML); ``BargeInJudge`` is per
 call and holds the caller-side audio the checks need.

@@ -130,6 +130,8 @@ class Trial:
     """Silence inside the bot's audio span as the caller heard it."""
     backchannels_paused: tuple[bool, ...] = ()
     """``habit``: whether each backchannel, in order, paused the bot (a clear during it)."""
+    stt_requests: int = 0
+    """What the call cost in STT requests (early verdicts and words-so-far requests too)."""
     error: str = ""
 
 
@@ -227,6 +229,7 @@ async def run_trial(
     else:
         fake.transcribe = lambda wav, form: text
     fake.faults["transcriptions"] = Fault(delay=stt_s)
+    stt_before = len(fake.requests_for("transcriptions"))
     steps = [*(step["steps"] if habit else [step]), {"silence": 20.0}, {"hangup": None}]
     script = script_from_data({"steps": steps, "wait_for_greeting": False})
     echo = LineEcho(0.1, -20.0) if trial.kind.endswith("echo") else None
@@ -240,6 +243,7 @@ async def run_trial(
     if report.errors or report.violations:
         trial.error = "; ".join(report.errors + [v.reason for v in report.violations])
     trial.heard_s = report.bot_audio_s
+    trial.stt_requests = len(fake.requests_for("transcriptions")) - stt_before
     trial.clears = len(report.clears)
     trial.silent_s = silent_seconds(report)
     # The caller starts talking `after` seconds into the bot's audio (the clip's first frame
@@ -302,6 +306,7 @@ def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, 
             "n": n,
             "errors": sum(t.kind == kind and bool(t.error) for t in trials),
         }
+        row["stt_per_call"] = statistics.mean(t.stt_requests for t in mine)
         if kind == "habit":
             for i, nth in enumerate(("first", "second")):
                 known = [t.backchannels_paused[i] for t in mine if t.backchannels_paused]
@@ -338,7 +343,7 @@ def print_habit(row: dict[str, Any]) -> None:
             "-" if row[k] is None else f"{row[k]:.0f}"
             for k in ("clear_p50_ms", "clear_p95_ms", "clear_max_ms")
         )
-        + " ms"
+        + f" ms; {row['stt_per_call']:.1f} STT requests per call"
     )
 
 

@@ -476,14 +476,8 @@ class CallSession:
 
     async def _judge_held_words(self, pcm16_8k: bytes, onset: float, speech: SpeechHandle) -> None:
         """Mark the sound for a pause if its words so far are more than backchannel."""
-        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
-        try:
-            text = (await self._stt.transcribe(audio)).text.strip()
-        except ProviderError:  # the hold runs out as without this
-            metrics.SPECULATION.labels("stt", "failed").inc()
-            return
-        except Exception:  # a bug here must not end the call: the hold decides
-            log.exception("barge_in.held_words_failed")
+        text = await self._words_so_far(pcm16_8k, "barge_in.held_words_failed")
+        if text is None:  # the hold runs out as without this
             return
         current = self._speech_started_at == onset and not self._caller_confirmed
         takes_floor = current and self._speech is speech and not self._only_listening(None, text)
@@ -871,17 +865,24 @@ class CallSession:
             self._resume_on_backchannel(pcm16_8k, speech_ms, speech), name="early-barge-in-verdict"
         )
 
+    async def _words_so_far(self, pcm16_8k: bytes, failed_event: str) -> str | None:
+        """The caller's words in a sound not over yet, for a verdict on it; None if the STT
+        fails (counted) or a bug does (logged): a call never ends for want of this answer,
+        the sound's own transcript (or the hold) decides without it."""
+        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
+        try:
+            return (await self._stt.transcribe(audio)).text.strip()
+        except ProviderError:
+            metrics.SPECULATION.labels("stt", "failed").inc()
+        except Exception:
+            log.exception(failed_event)
+        return None
+
     async def _resume_on_backchannel(
         self, pcm16_8k: bytes, speech_ms: int, speech: SpeechHandle
     ) -> None:
-        audio = resample(pcm16_8k, 8000, self._stt.sample_rate)
-        try:
-            text = (await self._stt.transcribe(audio)).text.strip()
-        except ProviderError:  # the utterance's own transcript decides, as without this
-            metrics.SPECULATION.labels("stt", "failed").inc()
-            return
-        except Exception:  # a bug here must not end the call: the utterance's words decide
-            log.exception("barge_in.early_verdict_failed")
+        text = await self._words_so_far(pcm16_8k, "barge_in.early_verdict_failed")
+        if text is None:  # the utterance's own transcript decides, as without this
             return
         backchannel = (
             self._paused_speech is speech

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-import soxr
 
+from ivr.audio.resample import resample
 from ivr.audio.wav import wav_to_pcm16
 
 
@@ -54,14 +54,7 @@ class KnownSpeech:
             n = min(len(spectra), len(heard), self.HEAD_FRAMES)
             if n == 0:
                 continue
-            score = max(
-                _mean_cosine(heard[shift : shift + n], spectra[:n])
-                for shift in range(0, min(self.SLACK_FRAMES, len(heard) - n) + 1)
-            )
-            score = max(score, *(
-                _mean_cosine(heard[:n], spectra[shift : shift + n])
-                for shift in range(0, min(self.SLACK_FRAMES, len(spectra) - n) + 1)
-            ))  # fmt: skip
+            score = _best_aligned(heard, spectra, n, self.SLACK_FRAMES)
             if score > best:
                 best, transcript, covered = score, text, min(1.0, speech.size / size)
         words = transcript.split()
@@ -75,8 +68,7 @@ _FRAME, _HOP = 256, 80
 
 
 def _at_8k(pcm16: bytes, rate: int) -> npt.NDArray[np.float64]:
-    x = np.frombuffer(pcm16, dtype="<i2").astype(np.float64)
-    return x if rate == RATE else np.asarray(soxr.resample(x, rate, RATE), dtype=np.float64)
+    return np.frombuffer(resample(pcm16, rate, RATE), dtype="<i2").astype(np.float64)
 
 
 def _active(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -95,6 +87,18 @@ def _spectra(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     logs = np.log(np.abs(np.fft.rfft(frames, axis=1)) + 1.0)
     centred: npt.NDArray[np.float64] = logs - logs.mean(axis=1, keepdims=True)
     return centred
+
+
+def _best_aligned(
+    a: npt.NDArray[np.float64], b: npt.NDArray[np.float64], n: int, slack: int
+) -> float:
+    """The best ``_mean_cosine`` of ``n`` frames of ``a`` and ``b``, either one shifted by up
+    to ``slack`` frames against the other."""
+    return max(
+        _mean_cosine(a[max(0, shift) : max(0, shift) + n], b[max(0, -shift) : max(0, -shift) + n])
+        for shift in range(-slack, slack + 1)
+        if max(0, shift) + n <= len(a) and max(0, -shift) + n <= len(b)
+    )
 
 
 def _mean_cosine(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> float:

@@ -12,9 +12,13 @@ While it speaks, the caller produces one of:
 - ``real``: a full sentence ("Sorry, can I talk to someone about my bill?"), and
   ``real+echo``: the same over the echo (double talk);
 - ``habit``: two backchannels, then a real sentence, in the same call: the caller's
-  backchannel habit (``interruptions.backchannel_hold_ms``) at work. Its STT is
-  ``KnownSpeech``: it tells the clips apart by their sound and answers a request made
-  mid-sentence with the words said so far.
+  backchannel habit (``interruptions.backchannel_hold_ms``) at work.
+
+The STT of ``real`` and ``habit`` is ``KnownSpeech``: it tells the clips apart by their sound
+and answers a request made mid-sentence with the words said so far, as a real one would (it
+matters once the bot holds on for words so far: ``habit``, a raised ``--min-speech-ms``).
+Under echo it cannot find the caller's onset, so ``real+echo``'s STT answers the whole
+sentence to any request.
 
 Per kind it prints: **false %** (the announcement was abandoned: the caller did not hear all
 of it), **paused %** (a ``clear`` was sent, the announcement resumed), and for real ones
@@ -224,9 +228,9 @@ async def run_trial(
     stt_s: float,
 ) -> None:
     habit = trial.kind == "habit"
-    if habit:  # which clip a request is, and how much of it (words so far mid-sentence)
+    if habit or trial.kind == "real":  # which clip, and how much of it (words so far)
         fake.transcribe = KnownSpeech({**BACKCHANNELS, text: text}, synthesize_pcm16)
-    else:
+    else:  # under echo the stand-in cannot find the caller's onset: all of it, always
         fake.transcribe = lambda wav, form: text
     fake.faults["transcriptions"] = Fault(delay=stt_s)
     stt_before = len(fake.requests_for("transcriptions"))

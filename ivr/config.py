@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     overflow_number: str = ""
     # On SIGTERM: seconds to let (or move) calls finish before the process exits anyway.
     drain_seconds: float = Field(300.0, ge=0)
+    # Seconds an idle HTTP connection stays open: above the idle timeout of the proxy in front,
+    # which must close first (a request sent as we close is reset, not answered).
+    http_keep_alive_s: int = Field(75, ge=1)
 
     flows_dir: str = "flows"
     admin_token: str = ""

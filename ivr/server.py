@@ -71,7 +71,8 @@ async def running_server(
     """Run the gateway under uvicorn in this event loop until the block exits."""
     port = port or free_port(host)
     app = create_app(gateway)
-    server = uvicorn.Server(uvicorn_config(app, host, port))
+    config = uvicorn_config(app, host, port, gateway.settings.http_keep_alive_s)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
     try:
         while not server.started:
@@ -161,7 +162,9 @@ async def serve(
     configure_logging(settings.log_format, settings.log_level, log_pii=settings.log_pii)
     gateway = build_gateway(settings)
     app = create_app(gateway)
-    config = uvicorn_config(app, host or settings.host, port or settings.port)
+    config = uvicorn_config(
+        app, host or settings.host, port or settings.port, settings.http_keep_alive_s
+    )
     await DrainingServer(config, gateway, on_started).serve([sock] if sock is not None else None)
     return 0
 
@@ -336,7 +339,11 @@ def _drain_when_parent_dies(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, host: str, port: int, keep_alive_s: int) -> uvicorn.Config:
+    """``keep_alive_s``: how long an idle HTTP connection is kept (``IVR_HTTP_KEEP_ALIVE_S``).
+    uvicorn's 5 s default is shorter than what pools connections to us keeps them (nginx, ALB:
+    60 s): a busy event loop could then close one just as a request arrives on it, and Twilio
+    plays its "application error" for a webhook answered with a reset."""
     return uvicorn.Config(
         app,
         host=host,
@@ -346,4 +353,5 @@ def uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
         lifespan="on",
         ws="websockets-sansio",
         ws_per_message_deflate=False,  # mu-law barely compresses; deflate would only cost CPU
+        timeout_keep_alive=keep_alive_s,
     )

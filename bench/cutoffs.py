@@ -70,6 +70,7 @@ from ivr.server import RunningServer, running_server
 from ivr.sim.caller import place_call
 from ivr.sim.script import default_synthesize, script_from_data
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.audio import piper_voice
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 from ivr.tts.openai_http import OpenAIHttpTts
 
@@ -163,19 +164,6 @@ def words(text: str) -> list[str]:
 def texts_said(full: str, cut: str) -> list[str]:
     """Every line the caller may say in a trial of this sentence (``script_for``'s)."""
     return [full, paused_text(cut), full[len(cut) :].strip()]
-
-
-async def piper_voice(texts: list[str]) -> Callable[[str], tuple[bytes, int]]:
-    """The caller's lines rendered by piper up front (the script asks for them by text)."""
-    from ivr.engines.piper_tts import LocalPiperTts
-
-    tts = LocalPiperTts()
-    try:
-        rendered = {t: b"".join([c async for c in tts.synthesize(t)]) for t in texts}
-        rate = tts.sample_rate
-    finally:
-        await tts.aclose()
-    return lambda text: (rendered[text], rate)
 
 
 def words_as_said(trial: Trial, cut: str, synthesize: Callable[[str], tuple[bytes, int]]) -> Any:

@@ -3,7 +3,7 @@ heard) in tests and benchmarks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,20 @@ def voiced_seconds(wav: bytes, threshold_db: float = -40.0) -> float:
     frame = audio.sample_rate // 50
     rms = np.sqrt((x[: len(x) // frame * frame].reshape(-1, frame) ** 2).mean(axis=1))
     return float((rms > 32768 * 10 ** (threshold_db / 20)).sum()) / 50
+
+
+async def piper_voice(texts: Iterable[str]) -> Callable[[str], tuple[bytes, int]]:
+    """A caller voice for benchmarks that whisper hears well: each of ``texts`` rendered by
+    the offline piper engine up front (``synthesize(text) -> (PCM16, rate)`` looks it up)."""
+    from ivr.engines.piper_tts import LocalPiperTts  # loads onnxruntime: only when asked
+
+    tts = LocalPiperTts()
+    try:
+        rendered = {t: b"".join([c async for c in tts.synthesize(t)]) for t in texts}
+        rate = tts.sample_rate
+    finally:
+        await tts.aclose()
+    return lambda text: (rendered[text], rate)
 
 
 class KnownSpeech:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,7 @@ import soxr
 from audio_fixtures import speech_pcm16, trimmed
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
+from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
@@ -31,12 +32,14 @@ from ivr.call.interruptions import (
     InterruptionPolicy,
 )
 from ivr.call.player import AudioPlayer, phrase_start
+from ivr.call.timeline import backchannel_spans
 from ivr.engines.espeak_tts import synthesize_pcm16
 from ivr.flows.loader import load_flow_text
 from ivr.flows.problems import FlowLoadError
 from ivr.flows.runner import FlowRunner
 from ivr.flowtools.textio import TextCallIO, said
 from ivr.llm.openai_compat import OpenAICompatLlm
+from ivr.server import RunningServer
 from ivr.sim.caller import LineEcho, place_call
 from ivr.sim.noises import NOISE_KINDS, noise_burst
 from ivr.sim.report import CallReport
@@ -79,6 +82,21 @@ def test_a_callers_backchannel_habit_raises_the_minimum_past_their_longest_one()
     assert habit.hold_ms(DEFAULT_POLICY) == 450 + BACKCHANNEL_MARGIN_MS
     habit.heard(1500)  # "okay, sure, yeah": capped at the node's backchannel_hold_ms
     assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.backchannel_hold_ms
+
+
+def test_the_habit_is_kept_on_the_timeline_as_spans_and_bad_entries_are_skipped() -> None:
+    habit = BackchannelHabit()
+    assert habit.heard(450) and not habit.heard(300) and habit.heard(500)
+    events = [
+        {"kind": "backchannel", "span_ms": 450, "paused": True},
+        {"kind": "barge_in", "span_ms": 900},  # not a backchannel
+        {"kind": "backchannel", "span_ms": "600"},  # the record is JSON from any version
+        {"kind": "backchannel", "span_ms": True},
+        {"kind": "backchannel", "span_ms": -5},
+        {"kind": "backchannel"},
+        {"kind": "backchannel", "span_ms": 520, "paused": False},
+    ]
+    assert backchannel_spans(events) == [450, 520]
 
 
 @pytest.mark.parametrize(
@@ -408,6 +426,86 @@ def test_the_stand_in_stt_tells_which_utterance_and_how_much_of_it_was_said() ->
     assert stt(request(sentence, 0.35)) == "I"
     assert stt(request(sentence, 1.0)) == "I would like to"
     assert stt(request(sentence, 5.0)) == sentence
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    value = unique_prefix()
+    yield value
+    await delete_prefix(LOCAL_REDIS_URL, value)
+
+
+MENU_FLOW = f"""
+name: t
+start: menu
+nodes:
+  menu:
+    kind: ask
+    prompt: "{ANNOUNCEMENT} Press 1 to hear this again."
+    routes:
+      - {{key: "1", next: menu}}
+"""
+"""ANNOUNCEMENT as a menu's prompt: the call still waits on it when its stream drops, and the
+resumed call reads it again."""
+
+
+async def backchannels_counted(server: RunningServer, more_than: float) -> None:
+    for _ in range(200):
+        if (await barge_ins(server.base_url)).get("speech/backchannel", 0) > more_than:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no backchannel counted past {more_than} in 10 s")
+
+
+@pytest.mark.slow
+async def test_a_resumed_call_keeps_the_callers_backchannel_habit(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path, prefix: str
+) -> None:
+    # "mm-hmm" pauses the bot once and teaches the call the caller's habit; then the stream
+    # drops (our end closes it, as when an instance dies) and the call resumes on a new one,
+    # whose session knows the caller only from the record in Redis: their "uh-huh" over the
+    # menu, read again, plays through.
+    fake_openai.speak = speak_24k
+    said = {"mm-hmm": "Mm-hmm.", "uh-huh": "Uh-huh."}
+    fake_openai.transcribe = KnownSpeech(said, synthesize_pcm16)
+    (tmp_path / "routes.yaml").write_text("default: t\n")
+    (tmp_path / "t.yaml").write_text(MENU_FLOW)
+    steps = [
+        {"barge_in": {"say": "mm-hmm", "after": 1.2}},
+        {"silence": 3.0},  # the stream drops meanwhile; the bot reads on the new one
+        {"barge_in": {"say": "uh-huh", "after": 0.5}},
+        {"silence": 4.0},
+        {"hangup": None},
+    ]
+    script = script_from_data({"steps": steps, "wait_for_greeting": False})
+    settings = {
+        "flows_dir": str(tmp_path), "speculate_after_ms": 60, "resume_prompt": "",
+        "redis_url": LOCAL_REDIS_URL, "redis_prefix": prefix,
+    }  # fmt: skip
+    async with gateway_factory(**settings) as server:
+        before = (await barge_ins(server.base_url)).get("speech/backchannel", 0)
+        call = asyncio.create_task(
+            place_call(
+                server.base_url, script=script, auth_token=AUTH_TOKEN, public_base_url=PUBLIC_URL
+            )
+        )
+        try:
+            await backchannels_counted(server, before)
+            (live,) = server.gateway.services.live.calls()
+            await live.close_stream()
+            report = await asyncio.wait_for(asyncio.shield(call), 60)
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+        counted = (await barge_ins(server.base_url)).get("speech/backchannel", 0) - before
+        record = await server.gateway.store.get(report.call_sid)
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert len(report.streams) == 2 and report.streams[0].ended_by == "gateway", report.streams
+    assert counted == 2
+    assert len(report.clears) == 1, report.format_transcript()  # "mm-hmm" only
+    assert record is not None and record.stream_count == 2
+    kept = [e for e in record.timeline if e["kind"] == "backchannel"]
+    assert [e["paused"] for e in kept] == [True], kept  # "uh-huh" taught nothing new
 
 
 SENTENCE = "I would like to speak to an agent please."

@@ -21,7 +21,7 @@ Three questions, in the order the audio answers them:
    (``BackchannelHabit``), or sooner if their words so far, transcribed while the bot holds
    on, are more than backchannel (``CallSession``). The next "uh-huh" plays through, and their
    real interruptions stop the bot later. A listener who says "mm-hmm" is not cut off at
-   every one.
+   every one. The call's record keeps the habit: a resumed call goes on with it.
 
 ``InterruptionPolicy`` is per flow node (``interruptions:`` in YAML); ``BargeInJudge`` is per
 call and holds the caller-side audio the checks need.
@@ -104,18 +104,21 @@ class BackchannelHabit:
 
     Someone who says "uh-huh" once will say it again; pausing the bot for every one costs
     them a gap each time (~0.6 s), while their real interruptions, which start like a
-    backchannel ("yeah, but"), can afford to stop the bot a little later. Kept in memory: a
-    call resumed on another instance learns it again from the caller's next backchannel.
+    backchannel ("yeah, but"), can afford to stop the bot a little later. The call's record
+    keeps what taught it (``backchannel`` events on its timeline), so a call resumed on
+    another instance goes on with it (``CallSession.recall_backchannels``).
     """
 
     longest_ms: int | None = None
 
-    def heard(self, span_ms: int) -> None:
+    def heard(self, span_ms: int) -> bool:
         """A sound over the bot turned out to be backchannel; its speech spanned ``span_ms``
-        (as ``Endpointer.speech_span_ms`` measures it)."""
-        if self.longest_ms is None or span_ms > self.longest_ms:
-            self.longest_ms = span_ms
-            log.info("barge_in.backchannel_habit", longest_ms=span_ms)
+        (as ``Endpointer.speech_span_ms`` measures it). True if it is the longest yet."""
+        if self.longest_ms is not None and span_ms <= self.longest_ms:
+            return False
+        self.longest_ms = span_ms
+        log.info("barge_in.backchannel_habit", longest_ms=span_ms)
+        return True
 
     def hold_ms(self, policy: InterruptionPolicy) -> int:
         """Speech span over the bot before it pauses, for this caller under ``policy``:

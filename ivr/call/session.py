@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -777,6 +777,12 @@ class CallSession:
 
     # -- barge-in -------------------------------------------------------------------------
 
+    def recall_backchannels(self, spans_ms: Iterable[int]) -> None:
+        """A resumed call: the caller's backchannels on its earlier streams (from its record's
+        timeline, ``backchannel_spans``) teach this one their habit, as if heard here."""
+        for span_ms in spans_ms:
+            self._judge.habit.heard(span_ms)
+
     def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
         """What interrupts the prompts that follow (``SupportsInterruptionPolicy``)."""
         self._policy = policy or DEFAULT_POLICY
@@ -909,11 +915,15 @@ class CallSession:
 
     def _resume(self, outcome: Outcome, text: str, speech_ms: int = 0) -> None:
         """The caller's sound did not take the floor: a paused prompt goes on. A backchannel
-        (``speech_ms`` long) teaches the call this caller's habit (``BackchannelHabit``)."""
-        if outcome is Outcome.BACKCHANNEL and speech_ms > 0:
-            self._judge.habit.heard(speech_ms + self._endpointer.hangover_ms)
+        (``speech_ms`` long) teaches the call this caller's habit (``BackchannelHabit``); one
+        that taught it something, or paused the bot, goes on the call's timeline (the record
+        carries the habit to a resumed stream, and the console shows it)."""
         self._cancel_pause_deadline()
         paused, self._paused_speech = self._paused_speech, None
+        if outcome is Outcome.BACKCHANNEL and speech_ms > 0:
+            span_ms = speech_ms + self._endpointer.hangover_ms
+            if self._judge.habit.heard(span_ms) or paused is not None:
+                self.timeline.add("backchannel", span_ms=span_ms, paused=paused is not None)
         metrics.BARGE_INS.labels("speech", outcome.value).inc()
         log.info("barge_in.swallowed", outcome=outcome.value, pii_text=text)
         if paused is not None:

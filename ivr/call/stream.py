@@ -28,6 +28,7 @@ from ivr.call.player import AudioPlayer
 from ivr.call.services import CallServices
 from ivr.call.session import CallEnd, CallSession, EndAction
 from ivr.call.summary import log_summary
+from ivr.call.timeline import backchannel_spans
 from ivr.call.tokens import StreamClaims, TokenRefused, admit
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
@@ -240,6 +241,7 @@ async def _run_call(
     # record, whose flow starts from its greeting.
     moved = planned and not rebuilt and bool(record.flow_state)
     session = _new_session(services, player, endpointer, outcome, moved=moved)
+    session.recall_backchannels(backchannel_spans(record.timeline))
     outcome.session = session
     live = LiveCall(CallParams.of(record), start.stream_sid, session, lambda: _close(ws, 1000))
     outcome.live = live

@@ -1,5 +1,5 @@
-"""What happens on a call besides its words, kept for the call record: key presses, barge-ins
-and node changes.
+"""What happens on a call besides its words, kept for the call record: key presses, barge-ins,
+the caller's backchannels over the bot, and node changes.
 
 The call's ``CallTimeline`` collects events where they already pass (the flow runner: its
 ``CallerPressed`` digits, the node each step lands on, a prompt the caller interrupted) and
@@ -11,13 +11,13 @@ round trip of its own. Bounded: past ``limit`` unsaved events the oldest are dro
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ivr.state.base import DEFAULT_TIMELINE_LIMIT
 
-Kind = Literal["dtmf", "barge_in", "node"]
+Kind = Literal["dtmf", "barge_in", "backchannel", "node"]
 TimelineEvent = dict[str, Any]
 
 
@@ -43,6 +43,18 @@ class CallTimeline:
         events = list(self._unsaved)
         self._unsaved.clear()
         return events
+
+
+def backchannel_spans(events: Iterable[TimelineEvent]) -> list[int]:
+    """The speech spans (ms) of the caller's backchannels recorded in ``events``, oldest first.
+    The record is JSON any version may have written: an event without a whole positive
+    ``span_ms`` is skipped."""
+    spans = []
+    for event in events:
+        span = event.get("span_ms") if event.get("kind") == "backchannel" else None
+        if isinstance(span, int) and not isinstance(span, bool) and span > 0:
+            spans.append(span)
+    return spans
 
 
 @runtime_checkable

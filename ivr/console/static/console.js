@@ -243,6 +243,8 @@ function eventLine(event) {
     node: () => `node ${event.from || "-"} → ${event.to}`,
     dtmf: () => `⌨ key press ${event.digits} at ${event.node || "-"}`,
     barge_in: () => `⟂ barge-in at ${event.node || "-"}` + (event.heard ? `: heard "${event.heard}"` : ""),
+    backchannel: () => `caller backchannel over the bot (${event.span_ms} ms): ` +
+      (event.paused ? "it paused, then went on" : "it played on"),
     status: () => `status ${event.from} → ${event.to}`,
     stream: () => `stream ${event.streams} on ${event.to}`,
     transfer: () => `transfer to ${event.number}`,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import structlog
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
 
 from ivr.config import Settings
 from ivr.gateway import build_gateway
@@ -26,6 +27,14 @@ def fresh_logging_config() -> Iterator[None]:
     renderer); restore the defaults so later tests and capture_logs() see every event."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A key prefix of its own on the local Redis; its keys are deleted after the test."""
+    value = unique_prefix()
+    yield value
+    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 @pytest.fixture

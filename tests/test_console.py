@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
-from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+from redis_server import LOCAL_REDIS_URL
 
 from ivr.console import console_router, views
 from ivr.console.auth import ConsoleAuth
@@ -420,13 +420,6 @@ async def test_the_event_stream_follows_a_call_and_the_ended_list_masks_it(
             line["who"] == "tool" and "end_call" in line["text"] for line in final["transcript"]
         )
         assert CALLER not in json.dumps(final)
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    value = unique_prefix()
-    yield value
-    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 @pytest.mark.slow

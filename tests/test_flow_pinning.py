@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 import structlog
-from redis_server import LOCAL_REDIS_URL, RedisServer, delete_prefix, unique_prefix
+from redis_server import LOCAL_REDIS_URL, RedisServer
 from structlog.testing import capture_logs
 
 from ivr.call.io import ListenSpec
@@ -83,13 +83,6 @@ def all_log_levels() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.configure(**saved)
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    value = unique_prefix()
-    yield value
-    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 Instance = Callable[[Path], Any]

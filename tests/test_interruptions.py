@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,7 +19,7 @@ import soxr
 from audio_fixtures import speech_pcm16, trimmed
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
-from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+from redis_server import LOCAL_REDIS_URL
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import FarEndReference, check_echo
@@ -426,13 +426,6 @@ def test_the_stand_in_stt_tells_which_utterance_and_how_much_of_it_was_said() ->
     assert stt(request(sentence, 0.35)) == "I"
     assert stt(request(sentence, 1.0)) == "I would like to"
     assert stt(request(sentence, 5.0)) == sentence
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    value = unique_prefix()
-    yield value
-    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 MENU_FLOW = f"""

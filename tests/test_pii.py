@@ -29,7 +29,7 @@ import structlog
 import uvicorn
 from fastapi import FastAPI
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
-from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+from redis_server import LOCAL_REDIS_URL
 from structlog.testing import capture_logs
 
 from ivr.flows.events import FlowState, Frame, HistoryItem, ToolCallData
@@ -361,13 +361,6 @@ def backend() -> Iterator[Backend]:
     server = Backend()
     yield server
     server.close()
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    value = unique_prefix()
-    yield value
-    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 class InstanceDied(Exception):

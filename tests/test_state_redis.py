@@ -14,19 +14,12 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
-from redis_server import LOCAL_REDIS_URL, delete_prefix, free_port, unique_prefix
+from redis_server import LOCAL_REDIS_URL, free_port
 
 from ivr.state.admin import admin_router
 from ivr.state.base import CallRecord, CorruptRecord, StoreUnavailable, apply_mutation
 from ivr.state.cli import add_commands
 from ivr.state.redis_store import RedisCallStore
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    value = unique_prefix()
-    yield value
-    await delete_prefix(LOCAL_REDIS_URL, value)
 
 
 @pytest.fixture

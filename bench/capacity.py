@@ -1,36 +1,41 @@
-"""Capacity: how voice-to-voice latency and CPU hold up as concurrent calls grow, per core.
+"""Capacity: how many talking calls one process carries before callers wait.
 
-The gateway (``ivr serve``, webhook path, Silero gated by WebRTC) is pinned with ``taskset`` to
-``--gateway-cpus`` (default CPU 0); this bench's callers and the fake providers (their own
-process, fixed delays STT 150 ms / LLM first token 140 ms / TTS first byte 120 ms) run on
-``--caller-cpus`` (default CPU 1). For each level of concurrent calls, on a fresh gateway:
+Two loads, each on a fresh gateway (``ivr serve``, webhook path, Silero gated by WebRTC, Redis
+store) pinned with ``taskset`` to ``--gateway-cpus`` (default CPU 0), while this bench's callers
+and the fake providers (their own process) run on ``--caller-cpus`` (default CPU 1):
 
-1. Listening: N lightweight callers (``ListenLoad``) hear the greeting and then send faint line
-   noise; the bench flow waits a minute before re-prompting, so this is pure listening. Gateway
-   CPU in the quiet 100 ms intervals (no call set up, no bot audio) per call-minute.
-2. Talking: N callers (staggered over ``--ramp`` seconds, then redialling until ``--duration``
-   is up) each make 2-turn calls: wait for the greeting to finish, say a line (espeak, rendered
-   once), wait for the reply to finish, say another, wait, hang up. Voice-to-voice is the
-   caller's end of speech (when its last speech frame went out) -> first reply audio *played*
-   at the caller (Twilio's playout clock). CPU with replies = gateway CPU over the window /
-   call-minutes in it; process CPU % = CPU over wall time; event-loop lag from the gateway's
-   ``ivr_event_loop_lag_seconds`` histogram (bucket-interpolated; with ``--workers`` > 1 each
-   scrape reaches one worker, so it is one worker's view).
+* **arrivals** (``bench/arrivals.py``, the load calls really bring): calls dial in
+  ``--interval`` apart (150 ms), reach one LLM agent with no greeting and make two turns of a
+  ~3 s line; about 6.7 turns end every second once the load is up, overlapping. Providers as fast
+  as the cloud: STT 150 ms, LLM 120 ms then 700 tokens/s for a 40-token two-sentence reply, TTS
+  120 ms then 4x real time in 40 ms chunks of 24 kHz PCM.
+* **old load** (``--classic``, the bench this one replaced): callers staggered over 10 s, each
+  redialling 2-turn calls of a short line after the greeting; providers answer all at once after
+  STT 150 / LLM 140 / TTS 120 ms. It exercises much less per turn: kept so both are visible.
 
-    .venv/bin/python bench/capacity.py                      # 1, 10, 50, 100 calls (~8 min)
-    .venv/bin/python bench/capacity.py --levels 1,100 --duration 30 --listen 15
+Per level: turn ends per second, voice-to-voice p50/p95 (the caller's end of speech -> the
+reply's first audio *played* on Twilio's playout clock) and its change against 1 call of the
+same load, errors (lines never answered, calls that failed), the most requests the providers saw
+in flight at once (STT / LLM / TTS), the gateway's CPU per turn beyond listening (talking-phase
+CPU less what the same calls cost listening, per turn), listening CPU-s per call-minute (the
+same number of calls sending line noise first), the gateway's share of its cores and event-loop
+lag p95. Then the knee: the first level whose p95 is more than 50 ms over 1 call's, or that has
+errors.
+
+    .venv/bin/python bench/capacity.py                                  # the sweep (~12 min)
+    .venv/bin/python bench/capacity.py --levels 1,100 --classic ''      # the issue's row
+    .venv/bin/python bench/capacity.py --env IVR_SPECULATE_AFTER_MS=0   # any gateway setting
     .venv/bin/python bench/capacity.py --workers 2 --gateway-cpus 0,1 --caller-cpus 0,1
-    .venv/bin/python bench/capacity.py --levels 100 --py-spy 20   # profile the talking phase
+    .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 20
 
 ``IVR_BENCH_DIR=/some/dir`` keeps the gateway logs and py-spy stacks. The load average is
-printed next to the table: the machine is shared, compare runs only at similar load.
+printed with the table: the machine is shared, compare runs only at similar load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -47,38 +52,68 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 import yaml
+from arrivals import (
+    CLASSIC,
+    LINES,
+    ArrivalLoad,
+    ProviderProfile,
+    ProvidersProcess,
+    agent_flow,
+    providers,
+    turn_rate,
+)
+from capacity_callers import TalkLoad, render_lines
 from gateway_harness import (
     ROOT,
     CpuSampler,
     GatewayProcess,
     ListenLoad,
-    Stream,
     gateway,
     hist_stats,
     histogram,
     live_calls,
     noise_payloads,
     pct,
-    providers_process,
     py_spy,
     summarise_listen,
 )
-from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed
-
-from ivr.sim.script import default_synthesize, to_line_audio
 
 # No commas: a comma pause can exceed the 300 ms endpoint silence and split a line in two.
-LINES = ("What are your opening hours?", "Do you have parking nearby?")
-TURN_GAP_S = 0.7
-"""The bot's turn is over after this much silence at the caller (as ``place_call`` waits)."""
-REPLY_WAIT_S = 10.0
+CLASSIC_LINES = ("What are your opening hours?", "Do you have parking nearby?")
 NO_INPUT_S = 60
-"""The bench flow's no-input timeout: listening callers hear no re-prompt within a phase."""
+"""The old load's flow re-prompts after this: listening callers hear no re-prompt in a phase."""
+KNEE_P95_MS = 50.0
 
 
-def redis_prefix(calls: int, workers: int) -> str:
-    return f"ivr-capacity-{os.getpid()}-{calls}-{workers}:"
+@dataclass(slots=True)
+class Row:
+    load: str
+    calls: int
+    workers: int
+    turns: int = 0
+    turns_per_s: float = float("nan")
+    p50_ms: float = float("nan")
+    p95_ms: float = float("nan")
+    max_ms: float = float("nan")
+    d_p95_ms: float = float("nan")
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    cpu_ms_per_turn: float = float("nan")
+    """Gateway CPU in the talking phase, less listening at the measured rate, per turn."""
+    listen_cpu_per_call_min: float = float("nan")
+    cpu_percent: float = float("nan")
+    loop_lag_p95_ms: float = float("nan")
+    caller_lag_p95_ms: float = float("nan")
+    """How late the bench's own 20 ms ticks ran (p95): its own health."""
+    loadavg: tuple[float, ...] = ()
+
+
+# -- gateway and store --------------------------------------------------------------------------
+
+
+def redis_prefix(load: str, calls: int, workers: int) -> str:
+    return f"ivr-capacity-{os.getpid()}-{load}-{calls}-{workers}:"
 
 
 async def delete_prefix(url: str, prefix: str) -> None:
@@ -92,231 +127,42 @@ async def delete_prefix(url: str, prefix: str) -> None:
         await client.aclose()
 
 
-# -- the bench flow ---------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
-def bench_flows(workdir: Path) -> Iterator[Path]:
-    """flows/default.yaml, waiting ``NO_INPUT_S`` for the caller before re-prompting."""
+def level_gateway(
+    args: argparse.Namespace, prov: ProvidersProcess, flows: Path, workdir: Path, name: str
+) -> Iterator[GatewayProcess]:
+    env = {
+        "IVR_FLOWS_DIR": str(flows),
+        "IVR_REDIS_URL": args.redis,
+        "IVR_REDIS_PREFIX": redis_prefix(name, 0, args.workers),
+        "IVR_CALL_TTL_SECONDS": "600",
+        **dict(kv.split("=", 1) for kv in args.env),
+    }
+    options: dict[str, Any] = {"cpus": args.gateway_cpus, "workers": args.workers, "env": env}
+    with gateway(prov.url, args.vad, args.log_level, workdir, name=name, **options) as gw:
+        yield gw
+
+
+def classic_flows(workdir: Path) -> Path:
+    """flows/default.yaml (greeting, one agent), waiting ``NO_INPUT_S`` before re-prompting."""
     flow = yaml.safe_load((ROOT / "flows/default.yaml").read_text())
     flow.setdefault("defaults", {})["no_input_timeout"] = NO_INPUT_S
-    flows = workdir / "flows"
+    flows = workdir / "classic-flows"
     flows.mkdir(exist_ok=True)
     (flows / "default.yaml").write_text(yaml.safe_dump(flow, sort_keys=False))
-    yield flows
+    return flows
 
 
-# -- talking callers ----------------------------------------------------------------------------
+# -- measuring ----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True, eq=False)
-class TalkingStream(Stream):
-    """A caller that speaks: its microphone queue, and when bot audio starts playing."""
-
-    mic: list[str] = field(default_factory=list)
-    spoke_until: asyncio.Future[float] | None = None
-    """Resolved with the send time of the last speech frame."""
-    reply: asyncio.Future[float] | None = None
-    """Resolved with when the first bot audio after ``spoke_until`` starts playing."""
-    last_media: float = 0.0
-
-    def next_payload(self, line_noise: str, now: float) -> str:
-        if not self.mic:
-            return line_noise
-        payload = self.mic.pop()
-        if not self.mic and self.spoke_until is not None and not self.spoke_until.done():
-            self.spoke_until.set_result(now)
-        return payload
-
-    def on_message(self, raw: str | bytes, now: float) -> None:
-        plays_at = max(now, self.play_end)  # Twilio plays audio once what is queued has played
-        media_before = self.media_in
-        Stream.on_message(self, raw, now)
-        if self.media_in > media_before:
-            if self.reply is not None and not self.reply.done():
-                self.reply.set_result(plays_at)
-            self.last_media = now
-
-    def bot_silent_for(self, now: float) -> float:
-        return now - max(self.play_end, self.last_media)
-
-
-class TalkLoad(ListenLoad):
-    """N callers making 2-turn calls back to back; voice-to-voice per turn."""
-
-    def __init__(
-        self,
-        gw: GatewayProcess,
-        calls: int,
-        payloads: list[str],
-        lines: list[list[str]],
-        ramp: float,
-    ) -> None:
-        super().__init__(gw, calls, payloads)
-        self.lines = lines
-        self.ramp = ramp
-        self.turns: list[tuple[float, float]] = []
-        """(caller's end of speech, voice-to-voice seconds)."""
-        self.missed = 0
-        """Caller lines that got no reply within REPLY_WAIT_S."""
-
-    def start_delay(self, index: int) -> float:
-        return index * self.ramp / self.calls
-
-    def new_stream(self, ws: ClientConnection, sid: str, t0: float) -> Stream:
-        return TalkingStream(ws, sid, t0, time.monotonic())
-
-    async def converse(self, stream: Stream) -> bool:
-        assert isinstance(stream, TalkingStream)
-        receiver = asyncio.create_task(self._receive(stream))
-        try:
-            with contextlib.suppress(ConnectionClosed, TimeoutError):
-                await self._talk(stream, receiver)
-        finally:
-            receiver.cancel()
-            await asyncio.gather(receiver, return_exceptions=True)
-        return True  # the caller hangs up (the bench sends `stop`)
-
-    async def _talk(self, stream: TalkingStream, receiver: asyncio.Task[None]) -> None:
-        loop = asyncio.get_running_loop()
-        await self._bot_turn_over(stream, receiver)  # the greeting
-        for line in self.lines:
-            if time.monotonic() > self.stop_at - 2 or receiver.done():
-                return
-            stream.spoke_until = loop.create_future()
-            stream.mic = list(reversed(line))
-            end = await stream.spoke_until
-            stream.reply = loop.create_future()
-            await asyncio.wait({stream.reply, receiver}, timeout=REPLY_WAIT_S)
-            if not stream.reply.done():
-                # Cut by the end of the run is not a miss; a gateway that hung up or went
-                # quiet on a caller's line is.
-                if not (receiver.done() and time.monotonic() >= self.stop_at):
-                    self.missed += 1
-                return
-            plays_at = stream.reply.result()
-            self.turns.append((end, plays_at - end))
-            await self._bot_turn_over(stream, receiver)
-
-    async def _bot_turn_over(self, stream: TalkingStream, receiver: asyncio.Task[None]) -> None:
-        """Until bot audio has played and none followed for TURN_GAP_S."""
-        deadline = time.monotonic() + 3 * REPLY_WAIT_S
-        while not receiver.done() and time.monotonic() < deadline:
-            now = time.monotonic()
-            if stream.last_media and stream.bot_silent_for(now) >= TURN_GAP_S:
-                return
-            await asyncio.sleep(0.05)
-        raise TimeoutError
-
-
-def render_lines() -> list[list[str]]:
-    """Each caller line as base64 mu-law 20 ms payloads (espeak, once per run)."""
-    out = []
-    for text in LINES:
-        ulaw = to_line_audio(*default_synthesize(text))
-        out.append([base64.b64encode(ulaw[i : i + 160]).decode() for i in range(0, len(ulaw), 160)])
-    return out
-
-
-# -- one level ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class LevelResult:
-    calls: int
-    workers: int
-    turns: int
-    missed: int
-    v2v_p50_ms: float
-    v2v_p95_ms: float
-    v2v_max_ms: float
-    listen_cpu_per_call_min: float
-    talk_cpu_per_call_min: float
-    cpu_percent: float
-    runqueue_percent: float
-    """Of the window, how long the gateway waited for its CPU (other processes on its core)."""
-    caller_lag_p95_ms: float
-    """How late the callers' 20 ms ticks ran (p95): the bench's own health."""
-    loop_lag: dict[str, float]
-    calls_placed: int
-    loadavg: tuple[float, float, float]
-    errors: list[str] = field(default_factory=list)
-    delta_p95_ms: float = float("nan")
-    delta_p50_ms: float = float("nan")
-
-
-async def run_level(
-    args: argparse.Namespace, calls: int, provider_url: str, flows: Path, workdir: Path
-) -> LevelResult:
-    lines = render_lines()
-    options: dict[str, Any] = {
-        "cpus": args.gateway_cpus,
-        "workers": args.workers,
-        "env": {
-            "IVR_FLOWS_DIR": str(flows),
-            "IVR_REDIS_URL": args.redis,
-            "IVR_REDIS_PREFIX": redis_prefix(calls, args.workers),
-            "IVR_CALL_TTL_SECONDS": "600",
-        },
-        "name": f"capacity-{calls}-w{args.workers}",
-    }
-    with gateway(provider_url, args.vad, args.log_level, workdir, **options) as gw:
-        await gw.wait_ready()
-        listen = await listen_phase(args, gw, calls) if args.listen > 0 else float("nan")
-        await asyncio.sleep(1.0)  # listening streams close; their teardown is not the talkers'
-        cpu = CpuSampler(gw)
-        sampler = asyncio.create_task(cpu.run())
-        load = TalkLoad(gw, calls, noise_payloads(args.noise_rms), lines, args.ramp)
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            try:
-                runner = asyncio.create_task(load.run(args.duration + args.ramp))
-                await asyncio.sleep(args.ramp)  # callers dial in: not the steady state
-                lag_before = (await http.get(f"{gw.base_url}/metrics")).text
-                t0 = time.monotonic()
-                wait0 = gw.runqueue_wait_seconds()
-                if args.py_spy and calls == max(levels(args)):
-                    spy_s = min(args.py_spy, args.duration - 2)
-                    await py_spy(gw, f"capacity-{calls}-w{args.workers}", spy_s, workdir)
-                await runner
-                t1 = time.monotonic()
-                waited = gw.runqueue_wait_seconds() - wait0
-                lag_after = (await http.get(f"{gw.base_url}/metrics")).text
-            finally:
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
-    name = "ivr_event_loop_lag_seconds"
-    lag = hist_stats(histogram(lag_before, name), histogram(lag_after, name))
-    call_min = sum(
-        live_calls((a + b) / 2, load.streams) * (b - a) / 60
-        for (a, _), (b, _) in pairwise(s for s in cpu.samples if t0 <= s[0] <= t1)
-    )
-    busy = cpu.between(t0, t1)
-    v2v = [d for end, d in load.turns if t0 <= end <= t1]
-    return LevelResult(
-        calls=calls,
-        workers=args.workers,
-        turns=len(v2v),
-        missed=load.missed,
-        v2v_p50_ms=round(1000 * pct(v2v, 0.5), 1),
-        v2v_p95_ms=round(1000 * pct(v2v, 0.95), 1),
-        v2v_max_ms=round(1000 * max(v2v, default=float("nan")), 1),
-        listen_cpu_per_call_min=listen,
-        talk_cpu_per_call_min=round(busy / call_min, 3) if call_min else float("nan"),
-        cpu_percent=round(100 * busy / (t1 - t0), 1),
-        runqueue_percent=round(100 * waited / (t1 - t0), 1),
-        caller_lag_p95_ms=round(1000 * pct(load.tick_lag, 0.95), 1),
-        loop_lag={k: round(v * 1000, 1) if k != "count" else v for k, v in lag.items()},
-        calls_placed=len(load.streams),
-        loadavg=os.getloadavg(),
-        errors=load.errors[:5],
-    )
-
-
-async def listen_phase(args: argparse.Namespace, gw: GatewayProcess, calls: int) -> float:
+async def listen_rate(args: argparse.Namespace, gw: GatewayProcess, calls: int) -> float:
+    """Gateway CPU-s per call-minute of ``calls`` callers sending line noise (their setup and
+    anything the bot says left out)."""
     cpu = CpuSampler(gw)
     sampler = asyncio.create_task(cpu.run())
     load = ListenLoad(gw, calls, noise_payloads(args.noise_rms))
-    warmup = 6.0 + calls * 0.03  # setup + greeting of every call: not listening
+    warmup = 6.0 + calls * 0.03
     try:
         runner = asyncio.create_task(load.run(args.listen + warmup))
         await asyncio.sleep(warmup)
@@ -328,69 +174,139 @@ async def listen_phase(args: argparse.Namespace, gw: GatewayProcess, calls: int)
     return summarise_listen(args.vad, load, cpu, steady_t0, 0.0, 0).quiet_cpu_per_call_min
 
 
+async def talk(
+    args: argparse.Namespace,
+    gw: GatewayProcess,
+    prov: ProvidersProcess,
+    load: TalkLoad,
+    duration: float,
+    row: Row,
+) -> None:
+    """Run ``load`` for ``duration`` s and fill ``row`` with what it measured."""
+    cpu = CpuSampler(gw)
+    sampler = asyncio.create_task(cpu.run())
+    await prov.take_stats()
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        lag_before = (await http.get(f"{gw.base_url}/metrics")).text
+        t0 = time.monotonic()
+        try:
+            runner = asyncio.create_task(load.run(duration))
+            if args.py_spy and row.calls == max(levels(args.levels), default=0):
+                await asyncio.sleep(min(duration / 3, row.calls * args.interval))
+                await py_spy(
+                    gw, f"capacity-{row.load}-{row.calls}", args.py_spy, gw.log_path.parent
+                )
+            await runner
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        t1 = time.monotonic()
+        lag_after = (await http.get(f"{gw.base_url}/metrics")).text
+    stats = await prov.take_stats()
+    name = "ivr_event_loop_lag_seconds"
+    lag = hist_stats(histogram(lag_before, name), histogram(lag_after, name))
+    call_min = sum(
+        live_calls((a + b) / 2, load.streams) * (b - a) / 60
+        for (a, _), (b, _) in pairwise(s for s in cpu.samples if t0 <= s[0] <= t1)
+    )
+    busy = cpu.between(t0, t1)
+    v2v = [d for _, d in load.turns]
+    row.turns = len(v2v)
+    row.turns_per_s = round(turn_rate(load.turns), 2)
+    row.p50_ms = round(1000 * pct(v2v, 0.5), 1)
+    row.p95_ms = round(1000 * pct(v2v, 0.95), 1)
+    row.max_ms = round(1000 * max(v2v, default=float("nan")), 1)
+    row.errors = load.missed + len(load.errors)
+    row.error_samples = load.errors[:3]
+    row.in_flight = stats["max_in_flight"]
+    listening = row.listen_cpu_per_call_min * call_min
+    row.cpu_ms_per_turn = (
+        round(1000 * (busy - listening) / row.turns, 1) if row.turns else row.cpu_ms_per_turn
+    )
+    row.cpu_percent = round(100 * busy / (t1 - t0) / len(cpus(args.gateway_cpus)), 1)
+    row.loop_lag_p95_ms = round(1000 * lag.get("p95", float("nan")), 1)
+    row.caller_lag_p95_ms = round(1000 * pct(load.tick_lag, 0.95), 1)
+    row.loadavg = os.getloadavg()
+
+
+async def run_level(
+    args: argparse.Namespace, load_name: str, calls: int, prov: ProvidersProcess, workdir: Path
+) -> Row:
+    """One level of ``load_name`` ("arrivals" or "old load") on a fresh gateway."""
+    row = Row(load_name, calls, args.workers)
+    arrivals = load_name == "arrivals"
+    name = f"{'arrivals' if arrivals else 'classic'}-{calls}-w{args.workers}"
+    flows = agent_flow(workdir) if arrivals else classic_flows(workdir)
+    noise = noise_payloads(args.noise_rms)
+    try:
+        with level_gateway(args, prov, flows, workdir, name) as gw:
+            await gw.wait_ready()
+            if args.listen > 0:
+                row.listen_cpu_per_call_min = round(await listen_rate(args, gw, calls), 3)
+                await asyncio.sleep(1.0)  # the listeners' teardown is not the talkers'
+            if arrivals:
+                load: TalkLoad = ArrivalLoad(gw, calls, noise, render_lines(LINES), args.interval)
+                duration = calls * args.interval + 45
+            else:
+                load = TalkLoad(gw, calls, noise, render_lines(CLASSIC_LINES), ramp=10.0)
+                duration = 10.0 + args.classic_duration
+            await talk(args, gw, prov, load, duration, row)
+    finally:
+        if args.redis:
+            await delete_prefix(args.redis, redis_prefix(name, 0, args.workers))
+    return row
+
+
 # -- output -------------------------------------------------------------------------------------
 
 
-def print_table(results: list[LevelResult], title: str) -> None:
+def knee(rows: list[Row]) -> str:
+    """Where the arrival load breaks: the first level over the p95 bar or with errors."""
+    ordered = sorted((r for r in rows if r.load == "arrivals"), key=lambda r: r.calls)
+    good = None
+    for r in ordered:
+        if r.errors or r.d_p95_ms > KNEE_P95_MS:
+            why = f"{r.errors} errors" if r.errors else f"p95 {r.d_p95_ms:+.0f} ms over 1 call"
+            last = f"the last level within it: {good} calls" if good else "no level within it"
+            return f"knee: {r.calls} calls ({why}); {last}"
+        good = r.calls
+    return f"knee: not reached (every level within +{KNEE_P95_MS:.0f} ms p95 and no error)"
+
+
+def print_table(rows: list[Row], title: str) -> None:
     print(f"\n{title}")
-    print(
-        f"{'calls':>5} {'turns':>5} {'v2v p50':>8} {'p95':>7} {'max':>7} {'d p50':>6} "
-        f"{'d p95':>6} {'listen':>7} {'replies':>8} {'CPU %':>6} {'runq %':>6} {'lag mean':>8} "
-        f"{'lag p95':>7} {'callers':>7}  {'load avg':>14}"
+    head = (
+        f"{'load':<9} {'calls':>5} {'turns':>5} {'turn/s':>6} {'p50':>6} {'p95':>6} {'d p95':>6} "
+        f"{'errors':>6} {'in flight':>10} {'CPU/turn':>8} {'listen':>6} {'CPU %':>5} "
+        f"{'lag p95':>7} {'bench':>5}"
     )
+    print(head)
     print(
-        f"{'':5} {'':5} {'(ms)':>8} {'':7} {'':7} {'(vs 1 call)':>13} "
-        f"{'(CPU-s/call-min)':>16} {'':13} {'(loop lag, ms)':>16} {'p95 ms':>7}"
+        f"{'':<9} {'':>5} {'':>5} {'ends':>6} {'(ms)':>6} {'(ms)':>6} {'(ms)':>6} {'':>6} "
+        f"{'STT/LLM/TTS':>10} {'(ms)':>8} {'s/c-min':>6} {'':>5} {'(ms)':>7} {'lag':>5}"
     )
-    for r in results:
-        load = "/".join(f"{x:.1f}" for x in r.loadavg)
-        print(
-            f"{r.calls:5d} {r.turns:5d} {r.v2v_p50_ms:8.0f} {r.v2v_p95_ms:7.0f} "
-            f"{r.v2v_max_ms:7.0f} {r.delta_p50_ms:+6.0f} {r.delta_p95_ms:+6.0f} "
-            f"{r.listen_cpu_per_call_min:7.3f} {r.talk_cpu_per_call_min:8.3f} "
-            f"{r.cpu_percent:6.1f} {r.runqueue_percent:6.1f} "
-            f"{r.loop_lag.get('mean', float('nan')):8.1f} "
-            f"{r.loop_lag.get('p95', float('nan')):7.1f} {r.caller_lag_p95_ms:7.1f}  {load:>14}"
+    for r in rows:
+        flight = "/".join(
+            str(r.in_flight.get(k, "-")) for k in ("transcriptions", "chat", "speech")
         )
-        if r.missed:
-            print(f"{'':5} {r.missed} caller lines got no reply within {REPLY_WAIT_S:.0f} s")
-        for e in r.errors:
-            print(f"{'':5} error: {e}")
+        print(
+            f"{r.load:<9} {r.calls:5d} {r.turns:5d} {r.turns_per_s:6.2f} {r.p50_ms:6.0f} "
+            f"{r.p95_ms:6.0f} {r.d_p95_ms:+6.0f} {r.errors:6d} {flight:>10} "
+            f"{r.cpu_ms_per_turn:8.1f} {r.listen_cpu_per_call_min:6.3f} {r.cpu_percent:5.0f} "
+            f"{r.loop_lag_p95_ms:7.1f} {r.caller_lag_p95_ms:5.0f}"
+        )
+        for e in r.error_samples:
+            print(f"{'':<9} error: {e}")
 
 
 # -- main ---------------------------------------------------------------------------------------
 
 
-def levels(args: argparse.Namespace) -> list[int]:
-    return [int(n) for n in args.levels.split(",") if n]
+def levels(spec: str) -> list[int]:
+    return [int(n) for n in spec.split(",") if n]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--levels", default="1,10,50,100", help="concurrent calls, comma list")
-    p.add_argument("--duration", type=float, default=45.0, help="talking window per level, s")
-    p.add_argument("--ramp", type=float, default=10.0, help="callers' staggered start, s")
-    p.add_argument("--listen", type=float, default=15.0, help="listening window per level, s")
-    p.add_argument("--workers", type=int, default=1, help="ivr serve --workers N")
-    p.add_argument("--gateway-cpus", default="0", help="taskset -c for the gateway")
-    p.add_argument("--caller-cpus", default="1", help="CPUs of this bench and the providers")
-    p.add_argument("--vad", default="silero")
-    p.add_argument("--log-level", default="info", help="the gateway's (info: as in production)")
-    p.add_argument(
-        "--redis",
-        default="redis://127.0.0.1:6379/0",
-        help="the shared call store ('' = in-memory; --workers > 1 needs Redis)",
-    )
-    p.add_argument("--noise-rms", type=float, default=16.0, help="caller line noise (PCM16 rms)")
-    p.add_argument("--stt-ms", type=int, default=150, help="fake STT response delay")
-    p.add_argument("--llm-ms", type=int, default=140, help="fake LLM time to first token")
-    p.add_argument("--tts-ms", type=int, default=120, help="fake TTS time to first byte")
-    p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
-    p.add_argument("--json", action="store_true", help="also print the results as JSON")
-    return p.parse_args(argv)
-
-
-def cpu_set(spec: str) -> set[int]:
+def cpus(spec: str) -> set[int]:
     out: set[int] = set()
     for part in spec.split(","):
         lo, _, hi = part.partition("-")
@@ -398,45 +314,69 @@ def cpu_set(spec: str) -> set[int]:
     return out
 
 
-async def main_async(args: argparse.Namespace) -> list[LevelResult]:
-    os.sched_setaffinity(0, cpu_set(args.caller_cpus))
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--levels", default="1,10,25,50,100,150,200,300", help="arrival-load calls")
+    p.add_argument("--interval", type=float, default=0.15, help="seconds between arrivals")
+    p.add_argument("--classic", default="1,100", help="old-load calls ('' = none)")
+    p.add_argument("--classic-duration", type=float, default=45.0, help="old load, talking s")
+    p.add_argument("--listen", type=float, default=15.0, help="listening window per level, s")
+    p.add_argument("--workers", type=int, default=1, help="ivr serve --workers N")
+    p.add_argument("--gateway-cpus", default="0", help="taskset -c for the gateway")
+    p.add_argument("--caller-cpus", default="1", help="CPUs of this bench and the providers")
+    p.add_argument("--vad", default="silero")
+    p.add_argument("--log-level", default="info", help="the gateway's (info: as in production)")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the shared call store")
+    p.add_argument("--noise-rms", type=float, default=16.0, help="caller line noise (PCM16 rms)")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway")
+    p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    return p.parse_args(argv)
+
+
+def with_deltas(rows: list[Row]) -> None:
+    for load in {r.load for r in rows}:
+        base = next((r for r in rows if r.load == load and r.calls == 1), None)
+        for r in rows:
+            if base is not None and r.load == load:
+                r.d_p95_ms = round(r.p95_ms - base.p95_ms, 1)
+
+
+async def main_async(args: argparse.Namespace) -> list[Row]:
+    os.sched_setaffinity(0, cpus(args.caller_cpus))
     start_load = os.getloadavg()
-    results: list[LevelResult] = []
-    delays = (args.stt_ms / 1000, args.llm_ms / 1000, args.tts_ms / 1000)
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="ivr-capacity-") as tmp:
         workdir = Path(os.environ.get("IVR_BENCH_DIR", tmp))
         os.makedirs(workdir, exist_ok=True)
-        with (
-            providers_process(
-                *delays, cpus=args.caller_cpus, log_path=workdir / "providers.log"
-            ) as url,
-            bench_flows(workdir) as flows,
-        ):
-            for calls in levels(args):
-                try:
-                    result = await run_level(args, calls, url, flows, workdir)
-                finally:
-                    if args.redis:
-                        await delete_prefix(args.redis, redis_prefix(calls, args.workers))
-                results.append(result)
-                print(
-                    f"  {calls} calls: p50 {result.v2v_p50_ms:.0f} ms, p95 "
-                    f"{result.v2v_p95_ms:.0f} ms, {result.turns} turns",
-                    file=sys.stderr,
-                )
-    base = next((r for r in results if r.calls == 1), None)
-    for r in results:
-        if base is not None:
-            r.delta_p50_ms = round(r.v2v_p50_ms - base.v2v_p50_ms, 1)
-            r.delta_p95_ms = round(r.v2v_p95_ms - base.v2v_p95_ms, 1)
-    title = (
-        f"Capacity: gateway on CPU {args.gateway_cpus}, {args.workers} worker(s), vad "
-        f"{args.vad}; providers STT {args.stt_ms} / LLM {args.llm_ms} / TTS {args.tts_ms} ms; "
-        f"2-turn calls. Bars: d p95 <= +50 ms at 100 calls, listen <= 0.3, replies <= 0.5"
+        profile = ProviderProfile()
+        with providers(profile, args.caller_cpus, workdir) as prov:
+            for calls in levels(args.levels):
+                rows.append(await run_level(args, "arrivals", calls, prov, workdir))
+                report(rows[-1])
+        with providers(CLASSIC, args.caller_cpus, workdir) as prov:
+            for calls in levels(args.classic):
+                rows.append(await run_level(args, "old load", calls, prov, workdir))
+                report(rows[-1])
+    with_deltas(rows)
+    settings = " ".join(args.env) or "default settings"
+    print_table(
+        rows,
+        f"Capacity: gateway on CPU {args.gateway_cpus}, {args.workers} worker(s), {settings}; "
+        f"arrivals every {args.interval * 1000:.0f} ms, providers {profile.describe()}; "
+        f"old load: {CLASSIC.describe()}",
     )
-    print_table(results, title)
-    print(f"\nload average: start {start_load}, end {os.getloadavg()} on {os.cpu_count()} CPUs")
-    return results
+    print(knee(rows))
+    print(f"load average: start {start_load}, end {os.getloadavg()} on {os.cpu_count()} CPUs")
+    return rows
+
+
+def report(row: Row) -> None:
+    print(
+        f"  {row.load} {row.calls} calls: p50 {row.p50_ms:.0f} ms, p95 {row.p95_ms:.0f} ms, "
+        f"{row.turns} turns, {row.errors} errors, {row.cpu_ms_per_turn:.0f} ms CPU a turn",
+        file=sys.stderr,
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -447,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # so the gateway's process group is killed
     try:
-        results = asyncio.run(main_async(args))
+        rows = asyncio.run(main_async(args))
     except KeyboardInterrupt:
         return 130
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2, default=float))
+        print(json.dumps([asdict(r) for r in rows], indent=2, default=float))
     return 0
 
 

@@ -383,7 +383,7 @@ class FakeOpenAIServer:
                     yield piece
             finally:
                 rec.outcome = "disconnected"
-                rec.finished.set()
+                rec.finish()
 
         stream = self._broken(request, rec, send())
         return StreamingResponse(stream, response.status_code, media_type=response.media_type)
@@ -395,7 +395,7 @@ class FakeOpenAIServer:
         elif response.status_code >= 400:
             outcome = "error"
         rec.outcome = outcome
-        rec.finished.set()
+        rec.finish()
         return response
 
     # ---- GET /v1/models --------------------------------------------------------------
@@ -480,7 +480,7 @@ class FakeOpenAIServer:
             rec.outcome = "disconnected"
             raise
         finally:
-            rec.finished.set()
+            rec.finish()
 
     # ---- POST /v1/audio/transcriptions -----------------------------------------------
 
@@ -544,7 +544,7 @@ class FakeOpenAIServer:
             rec.outcome = "disconnected"
             raise
         finally:
-            rec.finished.set()
+            rec.finish()
 
 
 # ---- CLI ----------------------------------------------------------------------------

@@ -103,6 +103,12 @@ class RecordedRequest:
     fault: Fault | None = None
     """The fault this request got, if any."""
     finished: threading.Event = field(default_factory=threading.Event)
+    finished_at: float | None = None
+    """``time.monotonic()`` when the answer was over (sent, broken or abandoned)."""
+
+    def finish(self) -> None:
+        self.finished_at = time.monotonic()
+        self.finished.set()
 
     def wait_finished(self, timeout: float) -> bool:
         return self.finished.wait(timeout)

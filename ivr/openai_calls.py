@@ -6,22 +6,32 @@ The openai SDK raises its own errors for what happens while it sends a request, 
 a streamed answer is read through httpx (``httpx2`` in openai>=3) unwrapped, and it parses
 chunks without validating them, so a connection reset mid-stream or a ``"choices": null`` chunk
 arrives as an httpx error or a TypeError. Everything is mapped here, once.
+
+Everything goes over aiohttp. Speech (``OpenAIEndpoint``) is plain HTTP: a JSON or multipart
+request, raw PCM or one JSON answer back. The LLM keeps the openai SDK, over the SDK's own
+aiohttp transport (``openai_client``), with each stream chunk left a dict. Per turn, the SDK
+over httpx2 cost the gateway ~150 ms of CPU (``bench/provider_cost.py``: an 11 s two-sentence
+reply's speech 72 ms, its 40 tokens 34 ms), which capped a process at ~5 turns a second. The
+SDK's transport reports aiohttp's errors as httpx2 errors caused by them; ``_transport_error``
+reads the aiohttp one first (the SDK's own mapping calls a dropped connection a timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import importlib
 import json
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TypeVar
 
+import aiohttp
 import httpx
 import openai
 
@@ -57,6 +67,105 @@ _TRANSPORT = (*_classes("TransportError"), OSError, EOFError)
 _UNPARSABLE = (*_classes("DecodingError"), ValueError, TypeError, AttributeError, KeyError)
 
 
+ERROR_BODY_LIMIT = 64 * 1024
+"""Of an error answer, this much is read for its message."""
+
+
+class OpenAIEndpoint:
+    """One OpenAI-compatible server (base URL and key) over an aiohttp session of its own,
+    opened in the running loop at the first request.
+
+    ``read_bufsize``: what the session buffers of an answer the consumer is not reading yet
+    before it stops reading the socket; the kernel then gathers what the server sends, and the
+    next read takes it in one go (see ``ivr.tts.openai_http``). ``read_timeout`` and
+    ``connect_timeout`` are backstops: every wait is bounded (and named) by a ``WaitClock``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        provider: str,
+        read_timeout: float,
+        connect_timeout: float = 3.0,
+        read_bufsize: int = 64 * 1024,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.provider = provider
+        self._headers = {"Authorization": f"Bearer {api_key}", "User-Agent": "ivr"}
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout
+        )
+        self._read_bufsize = read_bufsize
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=self._timeout,
+                read_bufsize=self._read_bufsize,
+                connector=aiohttp.TCPConnector(limit=1000, keepalive_timeout=30.0),
+            )
+        return self._session
+
+    @contextlib.asynccontextmanager
+    async def post(
+        self, path: str, *, json_body: object = None, form: aiohttp.FormData | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST to ``base_url + path``; an error status raises ``ProviderStatusError`` with
+        the server's message. Leaving the block closes the answer (and, mid-stream, the
+        connection: the server stops generating)."""
+        session = self._open_session()
+        url = self.base_url + path
+        async with session.post(url, json=json_body, data=form) as response:
+            if response.status >= 400:
+                body = await response.content.read(ERROR_BODY_LIMIT)
+                cause = aiohttp.ClientResponseError(
+                    response.request_info, response.history, status=response.status,
+                    message=response.reason or "", headers=response.headers,
+                )  # fmt: skip
+                error = status_error(self.provider, response.status, response.headers, body)
+                raise error from cause
+            yield response
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def status_error(
+    provider: str, status: int, headers: Mapping[str, str], body: bytes
+) -> ProviderStatusError:
+    """An HTTP error answer, with the message of OpenAI's error JSON when there is one."""
+    text = body.decode("utf-8", "replace")
+    message = text[:500]
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(text)
+        error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+        if isinstance(error, dict):
+            message = str(error.get("message") or error.get("error") or json.dumps(error))[:500]
+        elif isinstance(error, str):
+            message = error[:500]
+    return ProviderStatusError(provider, status, message, retry_after=retry_after(headers))
+
+
+def openai_client(
+    *, base_url: str, api_key: str, timeout: float | openai.Timeout
+) -> openai.AsyncOpenAI:
+    """An SDK client over aiohttp (see the module docstring), never retrying: retries are
+    ``ivr.providers_resilience``'s decision. ``timeout`` is a backstop only: every wait is
+    bounded (and named) by a ``WaitClock``."""
+    return openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key=api_key,
+        max_retries=0,
+        timeout=timeout,
+        http_client=openai.DefaultAioHttpClient(timeout=timeout),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StageLimits:
     """Seconds one provider answer may take."""
@@ -79,6 +188,8 @@ def provider_error(provider: str, exc: BaseException, *, transport_timeout: floa
     if isinstance(exc, openai.APIStatusError):
         after = retry_after(exc.response.headers) if exc.response is not None else None
         return ProviderStatusError(provider, exc.status_code, error_text(exc), retry_after=after)
+    if _aiohttp_cause(exc) is not None:  # its transport names it better than the SDK does
+        return _transport_error(provider, exc, transport_timeout)
     if isinstance(exc, (openai.APITimeoutError, *_TIMEOUTS)):
         return ProviderTimeout(provider, transport_timeout, phase="answer from the transport")
     if isinstance(exc, openai.APIConnectionError):  # the SDK wraps the httpx error
@@ -97,11 +208,31 @@ def provider_error(provider: str, exc: BaseException, *, transport_timeout: floa
 
 
 def _transport_error(provider: str, cause: BaseException, timeout: float) -> ProviderError:
+    aio = _aiohttp_cause(cause)
+    if aio is not None:
+        cause = aio
+        if isinstance(aio, aiohttp.ClientConnectorError):
+            return ProviderError(provider, f"cannot connect ({_describe(aio)})", kind=Kind.CONNECT)
+        if isinstance(aio, (aiohttp.ServerTimeoutError, aiohttp.SocketTimeoutError)):
+            return ProviderTimeout(provider, timeout, phase="answer from the transport")
+        return ProviderError(provider, f"connection broke ({_describe(aio)})", kind=Kind.RESET)
     if isinstance(cause, _TIMEOUTS):
         return ProviderTimeout(provider, timeout, phase="answer from the transport")
     if isinstance(cause, _NO_CONNECTION):
         return ProviderError(provider, f"cannot connect ({_describe(cause)})", kind=Kind.CONNECT)
     return ProviderError(provider, f"connection broke ({_describe(cause)})", kind=Kind.RESET)
+
+
+def _aiohttp_cause(exc: BaseException) -> aiohttp.ClientError | None:
+    """The aiohttp error under an httpx2 error raised by the SDK's aiohttp transport."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, aiohttp.ClientError):
+            return current
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return None
 
 
 def _describe(exc: BaseException) -> str:

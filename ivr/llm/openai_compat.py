@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
-from openai.types.chat import ChatCompletionChunk
 
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
-from ivr.openai_calls import StageLimits, WaitClock, payload_error
+from ivr.openai_calls import StageLimits, WaitClock, openai_client, payload_error
 
 REASONING_OFF: Mapping[str, Any] = {"reasoning_effort": "none"}
 """Thinking off on Cerebras and the Hugging Face router (Gemma 4, GPT-OSS: minimum effort)."""
 CHAT_TEMPLATE_NO_THINKING: Mapping[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
 """Thinking off on self-hosted vLLM / SGLang / llama.cpp serving Gemma 4 or Qwen 3."""
 
+JsonDict = dict[str, Any]
 _SCHEMA_NAME = re.compile(r"[^a-zA-Z0-9_-]")
 _NOT_SSE = ("application/json", "text/html", "text/plain")
 
@@ -75,11 +75,9 @@ class OpenAICompatLlm:
         waiting on the server for one reply in all."""
         self.extra_body = dict(extra_body) if extra_body else None
         """Provider-specific top-level fields merged into every request body."""
-        self._client = openai.AsyncOpenAI(
+        self._client = openai_client(
             base_url=base_url,
             api_key=api_key,
-            max_retries=0,  # retries are ivr.providers_resilience's decision
-            # A backstop only: every wait is bounded (and named) by self.limits.
             timeout=openai.Timeout(total_timeout + 1.0, connect=connect_timeout),
         )
         # The SDK imports its resource modules on first attribute access (~50 ms): do it now,
@@ -160,10 +158,19 @@ class OpenAICompatLlm:
         for call in _finish_tool_calls(self.name, calls):
             yield call
 
-    async def _open(self, params: dict[str, Any]) -> openai.AsyncStream[ChatCompletionChunk]:
-        stream: openai.AsyncStream[
-            ChatCompletionChunk
-        ] = await self._client.chat.completions.create(**params)
+    async def _open(self, params: dict[str, Any]) -> openai.AsyncStream[JsonDict]:
+        """The SDK sends the request, reads the event stream and raises its error events; the
+        chunks come back as plain dicts (``cast_to=object``): building a pydantic model of each
+        was most of a streamed reply's CPU (``bench/provider_cost.py``)."""
+        body = dict(params)
+        extra = body.pop("extra_body", None) or {}
+        stream = await self._client.post(
+            "/chat/completions",
+            body={**body, **extra},
+            cast_to=object,
+            stream=True,
+            stream_cls=openai.AsyncStream[JsonDict],
+        )
         kind = stream.response.headers.get("content-type", "")
         if kind.startswith(_NOT_SSE):  # an error page or a JSON body served with status 200
             await stream.close()
@@ -200,9 +207,7 @@ def _tool_json(tool: ToolSpec) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-async def _next_chunk(
-    stream: openai.AsyncStream[ChatCompletionChunk],
-) -> ChatCompletionChunk | None:
+async def _next_chunk(stream: openai.AsyncStream[JsonDict]) -> JsonDict | None:
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
@@ -210,15 +215,15 @@ async def _next_chunk(
 
 
 def _absorb(
-    provider: str, chunk: ChatCompletionChunk, calls: dict[int, _ToolCallParts]
+    provider: str, chunk: object, calls: dict[int, _ToolCallParts]
 ) -> tuple[list[TextDelta], bool]:
     """Text deltas of one chunk, and whether it carried any token (text or tool call).
 
     Tool-call pieces are collected into ``calls``. Reasoning deltas (``reasoning`` /
-    ``reasoning_content`` fields) are dropped: they must never be spoken. The SDK does not
-    validate chunks, so a wrong shape (``"choices": null``, no ``delta``) is caught here.
+    ``reasoning_content`` fields) are dropped: they must never be spoken. Chunks are the JSON
+    as sent, so a wrong shape (``"choices": null``, no ``delta``) is caught here.
     """
-    if not isinstance(getattr(chunk, "choices", None), list):
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
         raise payload_error(provider, 'stream chunk without a "choices" list')
     try:
         return _absorb_choices(chunk, calls)
@@ -227,25 +232,28 @@ def _absorb(
 
 
 def _absorb_choices(
-    chunk: ChatCompletionChunk, calls: dict[int, _ToolCallParts]
+    chunk: JsonDict, calls: dict[int, _ToolCallParts]
 ) -> tuple[list[TextDelta], bool]:
     texts: list[TextDelta] = []
     progressed = False
-    for choice in chunk.choices:
-        if choice.index != 0:
+    for choice in chunk["choices"]:
+        if choice.get("index", 0) != 0:
             continue
-        if (content := choice.delta.content) is not None and not isinstance(content, str):
+        delta = choice["delta"]
+        if not isinstance(delta, dict):
+            raise TypeError(f"delta is {type(delta).__name__}, not an object")
+        if (content := delta.get("content")) is not None and not isinstance(content, str):
             raise TypeError(f"delta.content is {type(content).__name__}, not a string")
         if content:
             texts.append(TextDelta(content))
-        for piece in choice.delta.tool_calls or ():
+        for piece in delta.get("tool_calls") or ():
             progressed = True
-            parts = calls.setdefault(piece.index, _ToolCallParts())
-            parts.id = piece.id or parts.id
-            if piece.function is not None:
-                parts.name = piece.function.name or parts.name
-                if piece.function.arguments:
-                    parts.arguments.append(piece.function.arguments)
+            parts = calls.setdefault(int(piece.get("index", 0)), _ToolCallParts())
+            parts.id = piece.get("id") or parts.id
+            if (function := piece.get("function")) is not None:
+                parts.name = function.get("name") or parts.name
+                if arguments := function.get("arguments"):
+                    parts.arguments.append(arguments)
     return texts, progressed or bool(texts)
 
 

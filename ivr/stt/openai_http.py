@@ -3,13 +3,15 @@ faster-whisper-server, vLLM ...): one finished utterance goes up as a WAV file, 
 
 from __future__ import annotations
 
+import json
 import time
+from contextlib import AsyncExitStack
 from typing import Any
 
-import openai
+import aiohttp
 
 from ivr.audio.wav import pcm16_to_wav
-from ivr.openai_calls import StageLimits, WaitClock, payload_error
+from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 from ivr.stt.base import Transcript
 
 
@@ -38,16 +40,14 @@ class OpenAIHttpStt:
         self.sample_rate = sample_rate
         self.timeout = timeout
         """Seconds for the whole request, upload to answer."""
-        self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout + 1.0
-        )  # the SDK's timeout is a backstop: ours (asyncio) fires first and says which limit
-        _ = self._client.audio.transcriptions  # lazy SDK import, not on the first turn
+        # Its timeout is a backstop: ours (asyncio) fires first and says which limit.
+        self._http = OpenAIEndpoint(base_url, api_key, provider=name, read_timeout=timeout + 1.0)
 
     async def warm(self) -> None:
         """Nothing to load: the model runs at the provider."""
 
     async def aclose(self) -> None:
-        await self._client.close()
+        await self._http.aclose()
 
     async def transcribe(
         self, pcm16: bytes, *, first_output_limit: float | None = None
@@ -66,20 +66,32 @@ class OpenAIHttpStt:
             first_phase="answer",
             transport_timeout=self.timeout + 1.0,
         )
-        result = await clock.wait(
-            self._client.audio.transcriptions.create(
-                file=("utterance.wav", wav, "audio/wav"),
-                model=self.model,
-                response_format="json",
-                language=self.language or openai.omit,
-                prompt=self.prompt or openai.omit,
-            )
-        )
+        result = await clock.wait(self._post(wav))
         return Transcript(text=self._text(result), seconds=time.perf_counter() - started)
 
+    async def _post(self, wav: bytes) -> Any:
+        form = aiohttp.FormData()
+        form.add_field("file", wav, filename="utterance.wav", content_type="audio/wav")
+        form.add_field("model", self.model)
+        form.add_field("response_format", "json")
+        if self.language:
+            form.add_field("language", self.language)
+        if self.prompt:
+            form.add_field("prompt", self.prompt)
+        async with AsyncExitStack() as stack:
+            response = await stack.enter_async_context(
+                self._http.post("/audio/transcriptions", form=form)
+            )
+            body = await response.read()
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            kind = response.headers.get("content-type", "")
+            raise payload_error(self.name, f"{kind} answer is not JSON: {body[:120]!r}") from exc
+
     def _text(self, result: Any) -> str:
-        # The SDK builds the answer without validating it: {"text": null} or {} get this far.
-        text = getattr(result, "text", None)
+        # {"text": null}, {} or a list must not pass for a transcript.
+        text = result.get("text") if isinstance(result, dict) else None
         if not isinstance(text, str):
             shown = type(text).__name__ if text is not None else "null or missing"
             raise payload_error(self.name, f'"text" is {shown}, not a string')

@@ -1,17 +1,24 @@
 """Text-to-speech over OpenAI's ``POST /v1/audio/speech`` with ``response_format="pcm"``:
-raw 16-bit little-endian mono samples (24 kHz on OpenAI), streamed as they are synthesised."""
+raw 16-bit little-endian mono samples (24 kHz on OpenAI), streamed as they are synthesised.
+
+Servers stream far faster than real time, in small pieces (40 ms every 10 ms is typical), and
+every piece the event loop reads off the socket costs it a wakeup: an 11 s reply was ~275. The
+session reads only ``READ_BUFSIZE`` ahead of whoever iterates ``synthesize``; a consumer that has
+enough audio in hand and waits before asking for more (``ivr.call.speech``) leaves the socket
+alone meanwhile, and the kernel gathers what the server sends for the next read to take in one
+go (bench/provider_cost.py).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import openai
-
-from ivr.openai_calls import StageLimits, WaitClock, payload_error
+from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 
 # A JSON error or an HTML proxy page served with status 200 is not audio, whatever its bytes.
 _NOT_AUDIO = ("application/json", "text/")
+READ_BUFSIZE = 4096
 
 
 class OpenAIHttpTts:
@@ -49,11 +56,13 @@ class OpenAIHttpTts:
             first=first_byte_timeout, stall=stall_timeout, total=total_timeout
         )
         """First audio byte, gap between later chunks, time waiting on the server in all."""
-        # The SDK's timeout is only a backstop: every wait is bounded (and named) by self.limits.
-        self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, max_retries=0, timeout=total_timeout + 1.0
+        self._http = OpenAIEndpoint(
+            base_url,
+            api_key,
+            provider=name,
+            read_timeout=total_timeout + 1.0,
+            read_bufsize=READ_BUFSIZE,
         )
-        _ = self._client.audio.speech  # lazy SDK import, not on the first turn
 
     @property
     def first_byte_timeout(self) -> float:
@@ -63,7 +72,7 @@ class OpenAIHttpTts:
         """Nothing to load: the voice runs at the provider."""
 
     async def aclose(self) -> None:
-        await self._client.close()
+        await self._http.aclose()
 
     async def synthesize(
         self, text: str, *, first_output_limit: float | None = None
@@ -81,22 +90,27 @@ class OpenAIHttpTts:
             first_phase="first audio byte",
             transport_timeout=limits.total + 1.0,
         )
-        request = self._client.audio.speech.with_streaming_response.create(
-            model=self.model,
-            voice=self.voice,
-            input=text,
-            response_format="pcm",
-            instructions=self.instructions or openai.omit,
-        )
+        body: dict[str, object] = {
+            "model": self.model,
+            "voice": self.voice,
+            "input": text,
+            "response_format": "pcm",
+        }
+        if self.instructions:
+            body["instructions"] = self.instructions
         async with AsyncExitStack() as stack:
-            response = await clock.wait(stack.enter_async_context(request))
+            response = await clock.wait(
+                stack.enter_async_context(self._http.post("/audio/speech", json_body=body))
+            )
             kind = response.headers.get("content-type", "")
             if kind.startswith(_NOT_AUDIO):
-                body = await clock.wait(response.read())
-                raise payload_error(self.name, f"{kind} instead of audio: {body[:120]!r}")
-            chunks = response.iter_bytes().__aiter__()
+                answer = await clock.wait(response.content.read(200))
+                raise payload_error(self.name, f"{kind} instead of audio: {answer[:120]!r}")
             carry = b""
-            while chunk := await clock.wait(anext(chunks, b"")):
+            while True:
+                chunk = await clock.wait(response.content.readany())
+                if not chunk:
+                    break
                 clock.output_started()
                 data = carry + chunk
                 whole = len(data) - len(data) % 2  # keep an odd trailing byte for the next chunk

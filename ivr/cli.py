@@ -81,11 +81,11 @@ def _add_plugin_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ivr.server import serve, serve_workers
+    from ivr.server import run_serving, serve, serve_workers
 
     if args.workers != 1:
         return serve_workers(args.workers, host=args.host, port=args.port)
-    return asyncio.run(serve(host=args.host, port=args.port))
+    return run_serving(serve(host=args.host, port=args.port))
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -151,6 +151,10 @@ class Settings(BaseSettings):
     # Seconds an idle HTTP connection stays open: above the idle timeout of the proxy in front,
     # which must close first (a request sent as we close is reset, not answered).
     http_keep_alive_s: int = Field(75, ge=1)
+    # The event loop `ivr serve` runs on. uvloop (libuv) handles a socket event in about half
+    # the CPU of asyncio's own loop, and a process carrying calls does little else
+    # (bench/capacity.py); "asyncio" is there to rule the loop out when chasing a bug.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
     flows_dir: str = "flows"
     admin_token: str = ""

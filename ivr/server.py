@@ -26,11 +26,12 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from types import FrameType
+from typing import Any
 
 import structlog
 import uvicorn
@@ -141,6 +142,15 @@ class DrainingServer(uvicorn.Server):
         except Exception:  # never keep a process that was told to stop
             log.exception("server.drain_failed")
         self.should_exit = True
+
+
+def run_serving(main: Coroutine[Any, Any, int]) -> int:
+    """Run a gateway process's ``main`` on the event loop ``IVR_EVENT_LOOP`` names."""
+    if Settings().event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 async def serve(
@@ -317,7 +327,7 @@ def _run_worker(host: str, port: int, number: int, started: Event, parent: int) 
     _drain_when_parent_dies(parent)
     try:
         sock = reuse_port_socket(host, port)
-        code = asyncio.run(serve(host, port, sock=sock, worker=number, on_started=started.set))
+        code = run_serving(serve(host, port, sock=sock, worker=number, on_started=started.set))
     except ValidationError as exc:
         print(f"ivr: worker {number}: invalid settings:\n{exc}", file=sys.stderr)
         code = 2

@@ -314,6 +314,11 @@ class AudioPlayer:
         if segment is not None:
             segment.played.set()
 
+    def ahead(self) -> float:
+        """Seconds of bot audio the caller has yet to hear: queued here, or sent and not
+        played yet."""
+        return max(0.0, self._playout_end - self._clock()) + self._queued_bytes / BYTES_PER_SECOND
+
     @property
     def speaking(self) -> bool:
         """True while bot audio is queued here or still playing at Twilio."""
@@ -343,13 +348,7 @@ class AudioPlayer:
                     await self._send_mark(self._mark_name(segment))
             return
         probe = segment.on_first_heard is not None and segment.first_sent_at is None
-        size = FRAME_BYTES if probe else self._chunk_bytes
-        chunk = audio[:size]
-        rest = audio[size:]
-        if rest:
-            self._queue[0] = (segment, rest)
-        else:
-            self._queue.popleft()
+        chunk = self._take_audio(segment, FRAME_BYTES if probe else self._chunk_bytes)
         self._queued_bytes -= len(chunk)
         if self._queued_bytes <= self._max_buffered:
             self._space.set()
@@ -370,6 +369,24 @@ class AudioPlayer:
             await self._send_media(chunk)
             if probe:
                 await self._send_mark(self._mark_name(segment) + "h")
+
+    def _take_audio(self, segment: Segment, size: int) -> bytes:
+        """Up to ``size`` bytes of ``segment``'s audio from the head of the queue, across the
+        pieces it was written in (TTS chunks are often smaller than a message)."""
+        parts: list[bytes] = []
+        taken = 0
+        while self._queue and taken < size:
+            head, audio = self._queue[0]
+            if head is not segment or audio is None:
+                break
+            part = audio[: size - taken]
+            if len(part) < len(audio):
+                self._queue[0] = (segment, audio[len(part) :])
+            else:
+                self._queue.popleft()
+            parts.append(part)
+            taken += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @staticmethod
     def _mark_name(segment: Segment) -> str:

@@ -44,8 +44,13 @@ class PrefetchOutcome(StrEnum):
 class Prefetch(Generic[T]):
     """One speculative stream of ``T`` (LLM events, PCM chunks) for one ``stage``."""
 
-    def __init__(self, stage: str, open_stream: Callable[[], AsyncIterator[T]]) -> None:
+    def __init__(
+        self, stage: str, open_stream: Callable[[], AsyncIterator[T]], *, spacing: float = 0.0
+    ) -> None:
+        """``spacing``: until adopted, wait this long between items after the first (a
+        speculative sentence's speech is not playing yet: its reads need not be prompt)."""
         self.stage = stage
+        self._spacing = spacing
         self._items: list[T] = []
         self._error: BaseException | None = None
         self._done = False
@@ -85,6 +90,8 @@ class Prefetch(Generic[T]):
                 if len(self._items) >= MAX_BUFFERED and not self._adopted:
                     self._room.clear()
                     await self._room.wait()
+                elif self._spacing and not self._adopted:
+                    await asyncio.sleep(self._spacing)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the adopter at the same point as live

@@ -39,6 +39,18 @@ HEARD_MARGIN = 0.15
 """Of heard_within, what sending the first frame and Twilio playing it take (seconds)."""
 SENTENCE_QUEUE_SIZE = 4
 """Sentences waiting for TTS: enough to keep synthesis busy, few enough to drop cheaply."""
+TTS_BLOCK_S = 0.2
+"""TTS audio is resampled, encoded and queued in blocks of about this much once the caller
+has enough ahead of them: a provider streaming 40 ms chunks at 4x real time otherwise costs a
+resampler call and a queue write per chunk (bench/capacity.py)."""
+TTS_LOW_WATER_S = 0.4
+"""Less than this queued ahead of what the caller hears, and audio goes out as it comes."""
+TTS_AHEAD_S = 1.5
+"""With more than this ahead of the caller, TTS is read no more than every ``TTS_READ_EVERY_S``:
+each read then takes what the server sent meanwhile in one go, not one socket wakeup per 40 ms
+piece (``ivr.tts.openai_http``), and the next sentence is still asked for with more than a
+TTS first byte's worth of audio in hand."""
+TTS_READ_EVERY_S = 0.15
 
 TurnRecorder = Callable[[dict[str, float]], None]
 
@@ -290,18 +302,23 @@ class SpeechHandle:
             self.turn.tts_start = started
         first = True
         failed = False
+        block = bytearray()
+        block_bytes = round(TTS_BLOCK_S * self._tts.sample_rate) * 2
         try:
             stream = self._tts.synthesize(text)
             try:
-                async for pcm in stream:
+                async for pcm in _paced(stream, self._player):
                     if first:
                         first = False
                         self._mark_first_byte(started)
-                    await self._write_pcm(segment, resampler.push(pcm))
+                    block += pcm
+                    if len(block) >= block_bytes or self._player.ahead() < TTS_LOW_WATER_S:
+                        await self._write_pcm(segment, resampler.push(bytes(block)))
+                        block.clear()
             finally:
                 # An interrupt that lands while write() waits must still close the TTS stream.
                 await _aclose(stream)
-            await self._write_pcm(segment, resampler.flush())
+            await self._write_pcm(segment, resampler.push(bytes(block)) + resampler.flush())
         except ProviderError as exc:
             metrics.count_provider_error("tts", exc.provider, exc)
             self._stats.provider_errors += 1
@@ -352,6 +369,16 @@ class SpeechHandle:
         if self._on_turn is not None:
             self._on_turn(parts)
         log.info("turn.latency", **{k: round(v, 4) for k, v in parts.items()})
+
+
+async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:
+    """``stream``, asked for its next chunk only once the caller is short of audio or
+    ``TTS_READ_EVERY_S`` has passed (see ``TTS_AHEAD_S``)."""
+    async for pcm in stream:
+        yield pcm
+        ahead = player.ahead()
+        if ahead > TTS_AHEAD_S:
+            await asyncio.sleep(min(TTS_READ_EVERY_S, ahead - TTS_AHEAD_S))
 
 
 async def _aclose(stream: object) -> None:

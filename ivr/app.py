@@ -13,6 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ivr import phrases
 from ivr.call.connect import CallParams
+from ivr.call.endings import (
+    CallAlreadyEnded,
+    expect_stream,
+    record_overflow,
+    settle,
+    when_twilio_ended,
+)
+from ivr.call.status_callbacks import status_callbacks_router
 from ivr.call.stream import handle_stream
 from ivr.call.tokens import valid_call_sid
 from ivr.call.warm_routes import warm_transfer_router
@@ -22,7 +30,8 @@ from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.outbound.routes import outbound_router
 from ivr.state.admin import admin_router
-from ivr.state.base import CallExists, CallRecord, CallStatus, StoreError, StoreUnavailable
+from ivr.state.base import CallExists, CallRecord, StoreError, StoreUnavailable
+from ivr.state.outcomes import Outcome
 from ivr.telephony import twilio
 from ivr.telephony.dialing import is_dialable
 
@@ -62,6 +71,7 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
     )
     app.include_router(outbound_router(gateway))
     app.include_router(warm_transfer_router(gateway.services))
+    app.include_router(status_callbacks_router(gateway.services))
     app.include_router(_ops_routes(gateway))
     return app
 
@@ -81,6 +91,7 @@ def _twilio_routes(gateway: Gateway) -> APIRouter:
             # sends the next one elsewhere once /readyz says so.
             log.warning("webhook.overflow", **gateway.admission.status().as_dict())
             metrics.WEBHOOKS.labels("overflow").inc()
+            await _overflowed(gateway, form)
             return _twiml(gateway.admission.overflow_twiml())
         return await _new_call(gateway, form)
 
@@ -164,6 +175,7 @@ async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
             metrics.WEBHOOKS.labels("replay").inc()
             return Response("this call already has a stream", status_code=409)
         log.info("webhook.repeat", call_sid=call_sid)  # Twilio retried: same call, new token
+        await _restart_wait(gateway, call_sid)
     metrics.WEBHOOKS.labels("accepted").inc()
     gateway.admission.reserve(call_sid)  # counts against IVR_MAX_CALLS until its stream is here
     return await _stream_twiml(gateway, CallParams.of(record))
@@ -171,6 +183,28 @@ async def _new_call(gateway: Gateway, form: dict[str, str]) -> Response:
 
 def _twiml(xml: str) -> Response:
     return Response(xml, media_type=XML)
+
+
+async def _overflowed(gateway: Gateway, form: dict[str, str]) -> None:
+    """Keep the refused call as ended (``overflow``), so it is listed and counted."""
+    call_sid = form.get("CallSid", "")
+    if not valid_call_sid(call_sid):
+        return
+    await record_overflow(
+        gateway.store,
+        call_sid,
+        account_sid=form.get("AccountSid", ""),
+        from_number=form.get("From", ""),
+        to_number=form.get("To", ""),
+    )
+
+
+async def _restart_wait(gateway: Gateway, call_sid: str) -> None:
+    """A new token for a call still waiting for its first stream: its wait restarts now."""
+    try:
+        await expect_stream(gateway.store, call_sid)
+    except StoreError as exc:  # the call is answered either way; the sweep may end it early
+        log.warning("webhook.wait_not_restarted", call_sid=call_sid, error=str(exc))
 
 
 async def _after_stream(
@@ -182,22 +216,22 @@ async def _after_stream(
     ended): with Redis away this instance may hold only the webhook's copy of the record,
     which never counted a stream, and the resume limit must hold all the same.
     """
-    record = await gateway.store.get(call_sid) if call_sid else None
+    store = gateway.store
+    record = await store.get(call_sid) if call_sid else None
     if record is None:
         return Response(twilio.hangup_twiml(), media_type=XML)
     if call_status == "completed":  # the caller is gone: a missed `stop` must not leave it live
-        if not record.is_ended:
-            await gateway.store.end(call_sid, CallStatus.ENDED)
+        await settle(store, call_sid, when_twilio_ended(record), by="twilio")
         return Response(twilio.hangup_twiml(), media_type=XML)
     if record.end_action == "transfer" and record.transfer_to:
         if not is_dialable(record.transfer_to):  # never dial what a flow did not validate
             log.error(
                 "call.transfer_invalid_number", call_sid=call_sid, pii_number=record.transfer_to
             )
-            await gateway.store.end(call_sid, CallStatus.ENDED)
+            await settle(store, call_sid, Outcome.FAILED, by="connect_action")
             return Response(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM), media_type=XML)
         log.info("call.transfer", call_sid=call_sid, pii_number=record.transfer_to)
-        await gateway.store.end(call_sid, CallStatus.ENDED)
+        await settle(store, call_sid, Outcome.TRANSFERRED_COLD, by="connect_action")
         return Response(twilio.dial_twiml(record.transfer_to), media_type=XML)
     if record.end_action == "hangup" or record.is_ended:
         return Response(twilio.hangup_twiml(), media_type=XML)
@@ -205,9 +239,13 @@ async def _after_stream(
         # Resuming keeps failing (a stream that dies at once, a flow that crashes): stop the
         # loop with an apology instead of reconnecting the caller forever.
         log.error("call.resume_limit", call_sid=call_sid, streams=record.stream_count)
-        await gateway.store.end(call_sid, CallStatus.ENDED)
+        await settle(store, call_sid, Outcome.DROPPED, by="connect_action")
         return Response(twilio.reject_twiml(phrases.TECHNICAL_PROBLEM), media_type=XML)
     # The stream dropped without a decision to end: resume on a new stream (any instance).
+    try:
+        record = await expect_stream(store, call_sid)
+    except CallAlreadyEnded:  # ended meanwhile (Twilio's status callback, the sweep)
+        return Response(twilio.hangup_twiml(), media_type=XML)
     log.info("call.resume_requested", call_sid=call_sid, node=record.node)
     # The count the action URL carries may be ahead of a stale copy of the record (Redis
     # away, another instance carried the streams): keep it, or the resume limit never trips.

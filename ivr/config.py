@@ -34,6 +34,9 @@ CLOUD_LLM_STALL, LOCAL_LLM_STALL = 1.0, 3.0
 # sum of the limits above allows up to 2 s). Not with offline engines: their normal turn is
 # slower than this.
 CLOUD_HEARD_WITHIN = 1.5
+# Stream tokens carry their expiry in wall-clock time, checked on whichever instance the stream
+# reaches: a call ends for want of a stream only this long after the last token could connect.
+CLOCK_SKEW_S = 5.0
 
 
 class Settings(BaseSettings):
@@ -137,6 +140,12 @@ class Settings(BaseSettings):
     # Signs stream tokens so any instance checks them without Redis: the same on every instance.
     # Empty: derived from TWILIO_AUTH_TOKEN.
     stream_token_secret: str = ""
+    # Seconds a stream token (and so a call waiting for its stream) is good for; a call whose
+    # stream never connected by then (plus CLOCK_SKEW_S) ends as never_connected.
+    stream_token_ttl_s: float = Field(120.0, ge=1, le=3600)
+    # Seconds a call whose stream dropped waits for a new one before it ends as dropped; at
+    # least a token's life longer than CLOCK_SKEW_S (a resumed stream may connect until then).
+    resume_window_s: float = Field(150.0, ge=1, le=4 * 3600)
 
     # Admission (README: Operations). Concurrent calls this instance carries; 0 = unlimited.
     max_calls: int = Field(0, ge=0)
@@ -202,6 +211,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "IVR_RECORDING_DIR and IVR_RECORDING_S3_BUCKET are both set: recordings go to "
                 "one place, set only one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _resume_window_outlives_a_token(self) -> Settings:
+        least = self.stream_token_ttl_s + CLOCK_SKEW_S
+        if self.resume_window_s < least:
+            raise ValueError(
+                f"IVR_RESUME_WINDOW_S={self.resume_window_s:g} is shorter than a stream token's "
+                f"life: a resumed stream may connect until its token expires, so it must be at "
+                f"least IVR_STREAM_TOKEN_TTL_S + {CLOCK_SKEW_S:g} = {least:g}"
             )
         return self
 

@@ -26,6 +26,8 @@ from ivr.call.connect import StreamConnector
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
 from ivr.call.services import CallServices, StreamAuth
+from ivr.call.stream import StreamOutcome
+from ivr.call.sweeper import CallSweeper, Windows
 from ivr.call.tokens import StreamTokens
 from ivr.call.turn_end import EndOfTurnDetector
 from ivr.call.warm import WarmTransfers
@@ -41,6 +43,7 @@ from ivr.providers import build_llm, build_stt, build_tts
 from ivr.recording import recordings_from_settings
 from ivr.state.base import CallStore
 from ivr.state.memory import MemoryCallStore
+from ivr.state.outcomes import Outcome
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore
 from ivr.stt.base import SpeechToText
@@ -79,8 +82,12 @@ class Gateway:
         self.admission = admission
         self._flow_http = flow_http
         self._prewarm_prompts = prewarm_prompts
+        self.sweeper = CallSweeper(
+            services.store, Windows(settings.stream_token_ttl_s, settings.resume_window_s)
+        )
         self._watcher: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
 
     @property
     def instance_id(self) -> str:
@@ -100,6 +107,7 @@ class Gateway:
 
     async def start(self) -> None:
         _warn_about_auth(self.services.auth)
+        self._start_metrics_at_zero()
         metrics.watch_store(self.store)
         metrics.CAPACITY_CALLS.set(self.admission.max_calls)
         metrics.READY.set_function(lambda: float(self.admission.ready))
@@ -113,6 +121,8 @@ class Gateway:
         added = await self.services.prompts.warm(self.tts, texts)
         self._watcher = asyncio.create_task(self.flows.watch(), name="flows-watcher")
         self._watcher.add_done_callback(_report_watcher_failure)
+        self._sweep_task = asyncio.create_task(self.sweeper.run(), name="call-sweeper")
+        self._sweep_task.add_done_callback(_report_watcher_failure)
         if self.services.recordings is not None:
             self.services.recordings.start()
         if self.services.turn_model is not None:
@@ -128,16 +138,26 @@ class Gateway:
             prompts_cached=added,
         )
 
+    def _start_metrics_at_zero(self) -> None:
+        providers = {
+            "stt": _provider_names(self.stt),
+            "llm": _provider_names(self.llm),
+            "tts": _provider_names(self.tts),
+        }
+        metrics.start_at_zero(
+            providers, [o.value for o in Outcome], [r.value for r in StreamOutcome]
+        )
+
     async def drain(self) -> DrainResult:
         """Stop taking calls and let the live ones end or move (``IVR_DRAIN_SECONDS`` at most)."""
         return await drain(self.services, seconds=self.settings.drain_seconds)
 
     async def aclose(self) -> None:
-        for task in (self._watcher, self._lag_task):
+        for task in (self._watcher, self._lag_task, self._sweep_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._watcher = self._lag_task = None
+        self._watcher = self._lag_task = self._sweep_task = None
         if self.services.turn_model is not None:
             await self.services.turn_model.aclose()
         if self.services.recordings is not None:  # before the store: saves note their location
@@ -184,7 +204,10 @@ def build_gateway(
         sources_ttl=float(settings.call_ttl_seconds),
         resume_prompt=settings.resume_prompt,
     )
-    tokens = StreamTokens.from_secret(settings.stream_token_secret or settings.twilio_auth_token)
+    tokens = StreamTokens.from_secret(
+        settings.stream_token_secret or settings.twilio_auth_token,
+        ttl=settings.stream_token_ttl_s,
+    )
     live = LiveCalls()
     rest = rest_from_settings(settings)
     connector = StreamConnector(tokens, store, settings.public_url, settings.public_ws_base)
@@ -324,6 +347,13 @@ def _warn_about_auth(auth: StreamAuth) -> None:
             detail="TWILIO_AUTH_TOKEN is not set: every webhook and stream is refused "
             "(403). Set it, or IVR_ALLOW_UNSIGNED=true for local development.",
         )
+
+
+def _provider_names(provider: object) -> list[str]:
+    """The names a provider's failures are counted under: each of a resilient wrapper's
+    providers (the fallbacks too), else its own."""
+    inner = getattr(provider, "providers", None)
+    return [str(p.name) for p in inner] if inner else [str(getattr(provider, "name", "?"))]
 
 
 def _report_watcher_failure(task: asyncio.Task[None]) -> None:

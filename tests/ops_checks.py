@@ -364,8 +364,9 @@ def live_check(
     rules: Path = RULES,
     pending: Pending | None = None,
 ) -> list[Row]:
-    """Every dashboard query (and every metric the rules read) against a live Prometheus;
-    ``pending`` defaults to dashboards/pending-metrics.yaml."""
+    """Every dashboard query, every recording rule's series and every metric the rules read,
+    against a live Prometheus; ``pending`` defaults to dashboards/pending-metrics.yaml. A query
+    with no series fails (EMPTY): on a healthy fleet every panel must answer, zeros included."""
     pending = pending_metrics() if pending is None else pending
     values = variables(paths)
     prom = Prometheus(prom_url)
@@ -375,10 +376,55 @@ def live_check(
             check_query(prom, q, substitute(q.expr, values, window), known, pending)
             for q in queries(paths)
         ]
+        rows += recording_rule_rows(prom, known, pending, rules)
         rows += rule_metric_rows(known, pending, rules)
     finally:
         prom.close()
     return rows
+
+
+def recording_rule_rows(
+    prom: Prometheus, known: set[str], pending: Pending, rules: Path = RULES
+) -> list[Row]:
+    """One row per recording rule: its recorded series, as a query (dashboards and alerts read
+    them; a rule that records nothing leaves them blank)."""
+    data = yaml.safe_load(rules.read_text())
+    rows = []
+    for group in data["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule:
+                query = Query("rules.yml", rule["record"], "recorded", rule["record"])
+                row = check_query(prom, query, rule["record"], known, pending)
+                if row.status == "EMPTY":
+                    expr = " ".join(rule["expr"].split())
+                    row = Row(row.what, "EMPTY", 0, f"the rule records no series; expr: {expr}")
+                rows.append(row)
+    return rows
+
+
+def counters_without_series(
+    exposition: str, paths: Sequence[Path], rules: Path = RULES
+) -> list[str]:
+    """The counters a dashboard query or a rule reads that a gateway's ``/metrics`` text
+    (``exposition``) declares but has no sample of: a labelled counter the gateway did not
+    start at zero, whose panels would read "no data" until its first increment."""
+    types: dict[str, str] = {}
+    sampled: set[str] = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind.strip()
+        elif line and not line.startswith("#"):
+            sampled.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    read = {n for q in queries(paths) for n in metric_names(q.expr)}
+    read |= {n for _, expr in rule_exprs(rules) for n in metric_names(expr)}
+    problems = []
+    for name in sorted(read):
+        family = base_name(name)
+        counter = "counter" in (types.get(family), types.get(f"{family}_total"))
+        if counter and f"{family}_total" not in sampled:
+            problems.append(f"{family}_total: declared, but no series until its first increment")
+    return problems
 
 
 def rule_metric_rows(known: set[str], pending: Pending, rules: Path) -> list[Row]:

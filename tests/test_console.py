@@ -149,9 +149,14 @@ async def test_the_feed_notes_node_changes_and_transfers_and_lists_ended_calls()
     last = await feed.poll()
     assert last.records == {} and feed.reads == 3
     kinds = [(e["kind"], e.get("to")) for e in feed.events_of("CA1")]
-    assert kinds == [("seen", ""), ("node", "agent"), ("transfer", None), ("ended", "transfer")]
+    assert kinds == [
+        ("seen", ""),
+        ("node", "agent"),
+        ("transfer", None),
+        ("ended", "transferred_cold"),
+    ]
     [row] = feed.ended(pii=False)
-    assert row["caller"] == MASKED_CALLER and row["outcome"] == "transfer"
+    assert row["caller"] == MASKED_CALLER and row["outcome"] == "transferred_cold"
     assert feed.ended(pii=True)[0]["caller"] == CALLER
     record = await store.get("CA1")
     assert record is not None
@@ -294,7 +299,11 @@ async def test_the_ended_search_pages_every_ended_call_and_refuses_a_bad_field()
             headers=bearer(PII),
         )
         assert len(unmasked.json()["calls"]) == 5
+        # Ended with no stream ever: never_connected, found by any spelling of it.
+        assert len((await search(outcome="never connected"))["calls"]) == 5
+        assert (await search(outcome="hangup"))["calls"] == []  # the old name: flow_hung_up
         for params, problem in (
+            ({"outcome": "exploded"}, "outcome='exploded': not an outcome; one of caller_hung_up"),
             ({"date": "2026-13-01"}, "date='2026-13-01': expected a day as YYYY-MM-DD"),
             ({"before": "yesterday"}, "before='yesterday': expected an ISO 8601 time"),
             ({"before": "2026-01-01T00:00:00"}, "needs its UTC offset"),
@@ -402,7 +411,7 @@ async def test_the_event_stream_follows_a_call_and_the_ended_list_masks_it(
         assert [c["call_sid"] for c in ended["calls"]] == [sid]
         assert (
             ended["calls"][0]["caller"] == MASKED_CALLER
-            and ended["calls"][0]["outcome"] == "hangup"
+            and ended["calls"][0]["outcome"] == "flow_hung_up"
         )
         assert ended["calls"][0]["node"] == "goodbye"
         none = await http.get(
@@ -414,7 +423,7 @@ async def test_the_event_stream_follows_a_call_and_the_ended_list_masks_it(
         )
         assert unmasked.json()["calls"][0]["caller"] == CALLER
         final = (await http.get(f"/console/api/calls/{sid}", headers=bearer(ADMIN))).json()
-        assert final["outcome"] == "hangup" and final["status"] == "ended"
+        assert final["outcome"] == "flow_hung_up" and final["status"] == "ended"
         assert any(e["kind"] == "node" and e["to"] == "goodbye" for e in final["events"])
         assert any(
             line["who"] == "tool" and "end_call" in line["text"] for line in final["transcript"]
@@ -435,10 +444,12 @@ async def test_one_instance_shows_a_call_another_instance_carries(
         httpx.AsyncClient(base_url=a.base_url, timeout=10) as http,
     ):
         call = call_at(b, ["Hello."])
-        listed = await read_events(
+        listed = await read_events(  # carried: past the webhook's record, its stream is on b
             http,
             f"ticket={await ticket(http)}",
-            lambda ev: bool(ev[-1][0] == "active" and ev[-1][1]["calls"]),
+            lambda ev: bool(
+                ev[-1][0] == "active" and any(c["instance"] for c in ev[-1][1]["calls"])
+            ),
         )
         [row] = listed[-1][1]["calls"]
         assert row["instance"] == "gw-b" and row["caller"] == MASKED_CALLER
@@ -547,7 +558,7 @@ async def test_a_browser_sees_the_call_its_transcript_and_waterfall_live(
         assert not report.errors, report.format_transcript()
         ended = page.locator("#ended-table tbody tr[data-sid]")
         await expect(ended).to_have_count(1, timeout=10_000)
-        await expect(ended).to_contain_text("hangup")
+        await expect(ended).to_contain_text("flow_hung_up")
         await expect(page.locator("#active-table tbody tr")).to_have_count(0)
         await expect(page.locator("#events")).to_contain_text("goodbye")
         await page.screenshot(path=str(ARTIFACTS / "console-ended-call.png"), full_page=True)
@@ -646,7 +657,7 @@ async def test_a_browser_on_another_instance_lists_an_ended_call_with_its_keys_a
         ended = page.locator("#ended-table tbody tr[data-sid]")
         await expect(ended).to_have_count(1, timeout=10_000)
         await expect(ended).to_contain_text(MASKED_CALLER)
-        await expect(ended).to_contain_text("hangup")
+        await expect(ended).to_contain_text("flow_hung_up")
         await page.fill("#flow", "nosuchflow")
         await page.click("#ended-form button")
         await expect(ended).to_have_count(0)

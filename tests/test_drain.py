@@ -275,7 +275,7 @@ async def test_without_rest_a_draining_instance_refuses_streams_finishes_its_cal
     assert drained["moved"] == 0 and drained["left"] == 0 and drained["seconds"] < 60
     assert carrier.log_events("stream.refused_draining")
     [ended] = carrier.log_events("call.ended", call_sid=call_sid)
-    assert ended["outcome"] == "hangup" and ended["resumes"] == 0
+    assert ended["outcome"] == "flow_hung_up" and ended["resumes"] == 0
     assert not carrier.log_events("call.resume_requested")
     assert not other.log_events("call.resume_requested")
     print(
@@ -356,7 +356,7 @@ async def test_with_rest_a_draining_instance_moves_its_call_to_another_at_a_turn
     assert exit_t - signalled < EXIT_SLACK_S
     assert first.closed_t is not None and exit_t >= first.closed_t
     [left] = carrier.log_events("call.stream_ended", call_sid=call_sid)
-    assert left["outcome"] == "moved"
+    assert left["reason"] == "moved"
     print(
         f"\nmove: SIGTERM {reply_end - (signalled - t0):.2f} s before the reply ended; redirect "
         f"{(update_t - reply_end) * 1000:.0f} ms after it; new stream "
@@ -399,6 +399,6 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
     # Cut, not ended: left for the <Connect action> to resume on another instance.
     assert not carrier.log_events("call.ended", call_sid=call_sid)
     [left] = carrier.log_events("call.stream_ended", call_sid=call_sid)
-    assert left["outcome"] == "disconnect"
+    assert left["reason"] == "disconnect"
     assert record is not None and record.status == CallStatus.RECONNECTING
     print(f"\ndrain timeout {drain_s:.0f} s: the process exited {took:.2f} s after SIGTERM")

@@ -83,7 +83,9 @@ async def test_a_call_ends_with_one_summary_line_and_its_latency_as_heard(
     ended = [e for e in logs if e["event"] == "call.ended"]
     assert len(ended) == 1, [e["event"] for e in logs]
     summary = ended[0]
-    assert summary["outcome"] == "stop" and summary["turns"] == 1 and summary["resumes"] == 0
+    assert (
+        summary["outcome"] == "caller_hung_up" and summary["turns"] == 1 and summary["resumes"] == 0
+    )
     assert summary["flow"] and summary["duration_s"] > 0
     # Heard = sent + Twilio's playout of one frame and the echo's trip: a little later.
     reply = report.turns[-1]

@@ -1,16 +1,22 @@
 """dashboards/: every dashboard passes the project's JSON Schema, every panel query parses as
-PromQL (offline, promtool), the layout is sane, and Compose provisions exactly these files.
-That the queries return data from real gateways is tests/test_ops_live.py."""
+PromQL (offline, promtool), the layout is sane, and Compose provisions exactly these files; a
+freshly started gateway already exports a series (at zero) for every counter a panel or rule
+reads, so a healthy fleet never shows "no data". That the queries return data from real
+gateways is tests/test_ops_live.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import httpx
+import pytest
+from gateway_procs import API_KEY, AUTH_TOKEN, PUBLIC_URL, GatewayProcesses, gateway_env
 from ops_checks import (
     DASHBOARDS_DIR,
     SCHEMA,
     Query,
+    counters_without_series,
     dashboard_files,
     metric_names,
     promtool_parse,
@@ -100,3 +106,59 @@ def test_layout_ids_and_uids() -> None:
                 for y in range(pos["y"], pos["y"] + pos["h"]):
                     other = cells.setdefault((x, y), p["title"])
                     assert other == p["title"], f"{path.name}: {p['title']!r} overlaps {other!r}"
+
+
+def test_a_counter_a_panel_reads_without_a_series_is_reported() -> None:
+    exposition = "\n".join(
+        [
+            "# TYPE ivr_calls_total counter",
+            "# TYPE ivr_provider_errors_total counter",
+            'ivr_provider_errors_total{stage="stt",provider="openai_stt",kind="timeout"} 0.0',
+            "# TYPE ivr_active_calls gauge",
+            "ivr_active_calls 0.0",
+        ]
+    )
+    problems = counters_without_series(exposition, DASHBOARDS)
+    assert "ivr_calls_total: declared, but no series until its first increment" in problems
+    assert not [p for p in problems if "provider_errors" in p or "active_calls" in p]
+
+
+@pytest.mark.slow
+async def test_a_fresh_gateway_has_a_series_for_every_counter_the_dashboards_and_rules_read(
+    tmp_path: Path,
+) -> None:
+    """Before any call: every configured provider, stage and failure kind, every outcome."""
+    from ivr.errors import ProviderErrorKind
+    from ivr.state.outcomes import Outcome
+    from ivr.testing.openai_server import FakeOpenAIServer
+
+    with FakeOpenAIServer(api_key=API_KEY) as fake, GatewayProcesses(tmp_path) as group:
+        env = gateway_env(
+            providers_url=fake.base_url,
+            api_key=API_KEY,
+            public_url=PUBLIC_URL,
+            auth_token=AUTH_TOKEN,
+            redis_url="",
+            redis_prefix="",
+            IVR_LLM_FALLBACK_BASE_URL=fake.base_url,
+        )
+        gateway = group.start("fresh", env)
+        await group.wait_healthy()
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"{gateway.base_url}/metrics")).text
+    assert counters_without_series(text, DASHBOARDS) == []
+    providers = {
+        "stt": ["openai_stt"],
+        "llm": ["openai_compat", "openai_compat_fallback"],
+        "tts": ["openai_tts"],
+    }
+    for stage, names in providers.items():
+        for name in names:
+            for kind in ProviderErrorKind:
+                sample = (
+                    f'ivr_provider_errors_total{{kind="{kind.value}",provider="{name}",'
+                    f'stage="{stage}"}} 0.0'
+                )
+                assert sample in text, sample
+    for outcome in Outcome:
+        assert f'ivr_calls_total{{outcome="{outcome.value}"}} 0.0' in text, outcome

@@ -351,7 +351,7 @@ async def test_twilio_amd_callback_signed_is_taken_and_unsigned_is_refused(
         "AsyncAmd": "true",
         "AsyncAmdStatusCallback": PUBLIC_URL + "/twilio/amd",
         "AsyncAmdStatusCallbackMethod": "POST",
-        "StatusCallback": PUBLIC_URL + "/twilio/outbound-status",
+        "StatusCallback": PUBLIC_URL + "/twilio/status",
         "StatusCallbackMethod": "POST",
     }
     assert [(c.answered_by, c.status_code) for c in twilio.callees.amd_callbacks] == [

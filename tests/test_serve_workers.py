@@ -216,7 +216,7 @@ async def test_two_workers_share_the_port_both_carry_calls_and_both_drain_on_sig
     drained = proc.log_events("drain.finished")
     assert len(drained) == 2 and all(d["left"] == 0 and d["moved"] == 0 for d in drained)
     ended = proc.log_events("call.ended", call_sid=report.call_sid)
-    assert [e["outcome"] for e in ended] == ["stop"], ended
+    assert [e["outcome"] for e in ended] == ["caller_hung_up"], ended
     assert carrier in ids
     [stopped] = proc.log_events("server.workers_stopped")
     assert stopped["exit_code"] == 0

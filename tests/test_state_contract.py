@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -15,9 +17,11 @@ from ivr.state.base import (
     CallRecord,
     CallStatus,
     CallStore,
+    CorruptRecord,
     mask,
 )
 from ivr.state.memory import MemoryCallStore
+from ivr.state.outcomes import Outcome, UnknownOutcome, outcome_of, parse_outcome
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore
 
@@ -392,3 +396,95 @@ async def test_the_timeline_keeps_only_the_newest_events(store: CallStore) -> No
         await store.update("CA0001", press)
     got = await store.get("CA0001")
     assert got is not None and [e["digits"] for e in got.timeline] == ["2", "3", "4"]
+
+
+async def test_list_stale_gives_the_live_calls_unwritten_since_oldest_first(
+    store: CallStore,
+) -> None:
+    for sid in ("CA-old", "CA-older-ended", "CA-mid"):
+        await store.create(a_call(sid))
+        await asyncio.sleep(0.02)
+    await store.end("CA-older-ended")
+    await asyncio.sleep(0.02)
+    cutoff = datetime.now(UTC)
+    await asyncio.sleep(0.02)
+    await store.update("CA-mid", incr("n"))  # written after the cutoff: not stale
+    await store.create(a_call("CA-new"))
+    stale = await store.list_stale(cutoff)
+    assert [r.call_sid for r in stale] == ["CA-old"]
+    assert await store.list_stale(datetime.now(UTC), limit=1) == [await store.get("CA-old")]
+    assert await store.list_stale(datetime.now(UTC), limit=0) == []
+
+
+# -- records across versions ---------------------------------------------------------------------
+
+PREVIOUS_FIELDS = {
+    "call_sid", "stream_sid", "account_sid", "from_number", "to_number", "flow_name",
+    "flow_version", "node", "variables", "flow_state", "history", "turns", "status",
+    "created_at", "updated_at", "ended_at", "version", "instance_id", "stream_count",
+    "record_call", "recordings", "end_action", "transfer_to", "warm_transfer", "direction",
+    "answered_by", "twilio_answered_by", "history_limit", "turns_limit", "timeline",
+    "timeline_limit",
+}  # fmt: skip
+"""CallRecord's fields in the version before outcomes (extra="forbid" there)."""
+
+
+def _previous(**fields: Any) -> str:
+    """A record as the previous version wrote it."""
+    base = {
+        "call_sid": "CA-prev",
+        "status": "ended",
+        "created_at": "2026-11-01T10:00:00Z",
+        "updated_at": "2026-11-01T10:01:00Z",
+        "ended_at": "2026-11-01T10:01:00Z",
+        "version": 7,
+        "stream_count": 1,
+    }
+    return json.dumps(base | fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "outcome"),
+    [
+        ({"flow_state": {"outcome": "hangup"}, "end_action": "hangup"}, Outcome.FLOW_HUNG_UP),
+        ({"flow_state": {"outcome": "caller_hangup"}}, Outcome.CALLER_HUNG_UP),
+        ({"end_action": "transfer", "transfer_to": "+15550100"}, Outcome.TRANSFERRED_COLD),
+        (
+            {"end_action": "transfer", "warm_transfer": {"room": "r", "status": "connected"}},
+            Outcome.TRANSFERRED_WARM,
+        ),
+        ({}, Outcome.CALLER_HUNG_UP),  # its "dropped": ended on `stop`, no decision
+        ({"stream_count": 0, "direction": "outbound"}, Outcome.NEVER_CONNECTED),
+        ({"status": "active", "ended_at": None}, None),
+    ],
+)
+def test_a_record_the_previous_version_wrote_reads_with_the_new_outcome_names(
+    fields: dict[str, Any], outcome: Outcome | None
+) -> None:
+    record = CallRecord.from_json(_previous(**fields), "redis:ivr:call:CA-prev")
+    assert outcome_of(record) == outcome
+    assert record.view()["outcome"] == (outcome.value if outcome else None)
+
+
+def test_new_fields_stay_out_of_the_json_until_set_so_the_previous_version_reads_it() -> None:
+    live = a_call("CA-live")
+    assert set(json.loads(live.to_json())) <= PREVIOUS_FIELDS
+    assert CallRecord.from_json(live.to_json(), "x") == live
+    live.outcome, live.twilio_status, live.billed_seconds = Outcome.DROPPED, "completed", 12
+    ended = CallRecord.from_json(live.to_json(), "x")
+    assert (ended.outcome, ended.twilio_status, ended.billed_seconds) == (
+        Outcome.DROPPED,
+        "completed",
+        12,
+    )
+    with pytest.raises(CorruptRecord, match="outcome"):
+        CallRecord.from_json(_previous(outcome="vanished"), "x")
+
+
+def test_outcome_names_of_the_previous_version_are_understood() -> None:
+    assert parse_outcome("hangup") == Outcome.FLOW_HUNG_UP
+    assert parse_outcome("Caller hung up") == Outcome.CALLER_HUNG_UP
+    assert parse_outcome("never-connected") == Outcome.NEVER_CONNECTED
+    assert parse_outcome("error") == Outcome.FAILED
+    with pytest.raises(UnknownOutcome, match="one of caller_hung_up, flow_hung_up"):
+        parse_outcome("exploded")

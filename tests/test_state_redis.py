@@ -19,6 +19,7 @@ from redis_server import LOCAL_REDIS_URL, free_port
 from ivr.state.admin import admin_router
 from ivr.state.base import CallRecord, CorruptRecord, StoreUnavailable, apply_mutation
 from ivr.state.cli import add_commands
+from ivr.state.outcomes import Outcome
 from ivr.state.redis_store import RedisCallStore
 
 
@@ -260,6 +261,40 @@ def test_cli_lists_and_shows_calls_as_json_and_table(
     assert json.loads(capsys.readouterr().out)["version"] == 2
     assert _cli("calls", "show", "CA-nope", *common) == 1
     assert "not found" in capsys.readouterr().err
+
+
+def test_cli_lists_ended_calls_with_the_consoles_outcome_names(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def seed() -> None:
+        store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix)
+        await store.create(a_call("CA-gone"))
+
+        def dropped(record: CallRecord) -> None:
+            record.outcome, record.twilio_status, record.billed_seconds = (
+                Outcome.DROPPED,
+                "completed",
+                31,
+            )
+
+        await store.update("CA-gone", dropped)
+        await store.end("CA-gone")
+        await store.create(a_call("CA-live"))
+        await store.aclose()
+
+    asyncio.run(seed())
+    common = ("--redis-url", LOCAL_REDIS_URL, "--redis-prefix", prefix)
+    assert _cli("calls", "list", "--ended", *common) == 0
+    table = capsys.readouterr().out
+    [row] = [line.split() for line in table.splitlines() if line.startswith("CA-")]
+    assert row[:4] == ["CA-gone", "dropped", "completed", "31"] and "(1 ended)" in table
+    assert _cli("calls", "show", "CA-gone", *common, "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["outcome"], shown["twilio_status"], shown["billed_seconds"]) == (
+        "dropped",
+        "completed",
+        31,
+    )
 
 
 def test_cli_without_a_redis_url_says_how_to_give_one(

@@ -71,7 +71,7 @@ def assert_hold_played_in_full(report: CallReport) -> float:
 async def test_a_transfer_is_a_rest_redirect_to_dial_after_the_hold_prompt_played_in_full(
     gateway_factory: GatewayFactory, fake: FakeOpenAIServer, rest_api: FakeTwilioRestApi
 ) -> None:
-    transfers, stops = calls_ended("transfer"), calls_ended("stop")
+    transfers, stops = calls_ended("transferred_cold"), calls_ended("caller_hung_up")
     settings = {"twilio_account_sid": rest_api.account_sid, "twilio_api_base_url": rest_api.url}
     async with gateway_factory(**settings) as server:
         report = await press_for_agent(server, rest_api)
@@ -97,8 +97,8 @@ async def test_a_transfer_is_a_rest_redirect_to_dial_after_the_hold_prompt_playe
         "transfer",
         AGENT,
     )
-    assert calls_ended("transfer") == transfers + 1
-    assert calls_ended("stop") == stops
+    assert calls_ended("transferred_cold") == transfers + 1
+    assert calls_ended("caller_hung_up") == stops
     # No action request follows a REST redirect, so the gateway closed the record itself.
     assert record.is_ended and report.call_sid not in {r.call_sid for r in active}
 
@@ -107,7 +107,7 @@ async def test_a_transfer_is_a_rest_redirect_to_dial_after_the_hold_prompt_playe
 async def test_a_rest_api_refusing_the_credentials_falls_back_to_dial_from_the_action(
     gateway_factory: GatewayFactory, fake: FakeOpenAIServer
 ) -> None:
-    transfers = calls_ended("transfer")
+    transfers = calls_ended("transferred_cold")
     async with FakeTwilioRestApi(auth_token="not-" + AUTH_TOKEN) as api:
         settings = {"twilio_account_sid": api.account_sid, "twilio_api_base_url": api.url}
         async with gateway_factory(**settings) as server:
@@ -128,7 +128,7 @@ async def test_a_rest_api_refusing_the_credentials_falls_back_to_dial_from_the_a
         AGENT,
         CallStatus.ENDED,
     )
-    assert calls_ended("transfer") == transfers + 1
+    assert calls_ended("transferred_cold") == transfers + 1
 
 
 @pytest.mark.slow

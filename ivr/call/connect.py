@@ -6,7 +6,8 @@ Every stream Twilio opens for us comes from here: the voice webhook's first stre
 stream URL carries a signed one-use token (``ivr.call.tokens``); the ``<Parameter>``s carry
 what an instance needs to carry a call it has no record of (Redis unreachable): the numbers and
 the pinned flow. The action URL's query carries the flow and the stream count, so the action
-request can be answered without the record too.
+request can be answered without the record too. Every stream asks for Twilio's status callback,
+the only place Twilio says why a stream failed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ivr.telephony.twilio import Start
 
 ACTION_PATH = "/twilio/after-stream"
 STREAM_PATH = "/twilio/stream/"
+STREAM_STATUS_PATH = "/twilio/stream-status"
+"""Twilio's ``<Stream statusCallback>``: stream-started, -stopped, -error (``status_callbacks``)."""
 MAX_PARAMETER_CHARS = 200
 """Longest ``<Parameter>`` value we take from a ``start`` (ours are far shorter)."""
 
@@ -71,6 +74,7 @@ class StreamConnector:
         return twilio.connect_stream_twiml(
             stream_url=f"{self._public_ws_base}{STREAM_PATH}{token}",
             action_url=f"{self._public_url}{ACTION_PATH}?{query}",
+            status_callback=f"{self._public_url}{STREAM_STATUS_PATH}",
             parameters={
                 "CallSid": call.call_sid,
                 "From": call.from_number,

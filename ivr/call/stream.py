@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import Endpointer
 from ivr.call.connect import CallParams, record_from_start
+from ivr.call.endings import announce, settle
 from ivr.call.live import LiveCall
 from ivr.call.moves import MovedCallSession
 from ivr.call.player import AudioPlayer
@@ -30,6 +31,7 @@ from ivr.call.session import CallEnd, CallSession, EndAction
 from ivr.call.summary import log_summary
 from ivr.call.timeline import backchannel_spans
 from ivr.call.tokens import StreamClaims, TokenRefused, admit
+from ivr.call.turns import CallStats
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
 from ivr.recording.recorder import CallRecorder
@@ -43,8 +45,10 @@ from ivr.state.base import (
     StreamSuperseded,
     fenced,
 )
+from ivr.state.outcomes import Outcome
 from ivr.state.resilient import statistics_of
 from ivr.telephony import twilio
+from ivr.telephony.dialing import is_dialable
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
 log = structlog.get_logger("ivr.stream")
@@ -60,7 +64,8 @@ POLICY_VIOLATION = 1008
 
 
 class StreamOutcome(StrEnum):
-    """Why a call left this stream (the ``outcome`` label of ``ivr_calls_total``)."""
+    """Why a call left this stream (the ``reason`` label of ``ivr_streams_total``); how the
+    call itself ended is its ``Outcome`` (``_ending_of``)."""
 
     STOP = "stop"
     """Twilio sent ``stop``: the caller hung up (or a redirect completed)."""
@@ -76,14 +81,20 @@ class StreamOutcome(StrEnum):
     """A draining instance redirected the call to a new stream (a planned move)."""
 
 
-_CALL_OVER = frozenset(
-    {StreamOutcome.STOP, StreamOutcome.HANGUP, StreamOutcome.TRANSFER, StreamOutcome.ERROR}
-)
-"""Outcomes after which no stream of this call follows (no resume)."""
+_CALL_OVER: dict[StreamOutcome, tuple[Outcome, CallStatus]] = {
+    StreamOutcome.STOP: (Outcome.CALLER_HUNG_UP, CallStatus.ENDED),
+    StreamOutcome.HANGUP: (Outcome.FLOW_HUNG_UP, CallStatus.ENDED),
+    StreamOutcome.ERROR: (Outcome.FAILED, CallStatus.ENDED),
+    # The <Connect action> request answers <Dial> from the record (ended or not).
+    StreamOutcome.TRANSFER: (Outcome.TRANSFERRED_COLD, CallStatus.ENDED),
+}
+"""Stream ends after which no stream of this call follows (no resume): how the call ended."""
 
 
 @dataclass(slots=True)
 class _Outcome:
+    started: float
+    """Monotonic time the stream started."""
     reason: StreamOutcome = StreamOutcome.DISCONNECT
     end: CallEnd | None = None
     session: CallSession | None = None
@@ -97,6 +108,21 @@ class _Outcome:
     """The record was rebuilt from ``start``: no other instance can read how the call ends."""
     recorder: CallRecorder | None = None
     """Records this stream (the call's record asks for it and a sink is configured)."""
+
+    @property
+    def stats(self) -> CallStats | None:
+        return self.session.stats if self.session is not None else None
+
+    def ending(self) -> tuple[Outcome, CallStatus] | None:
+        """How the call ended, when it ended with this stream; None: it goes on (a resume, a
+        planned move, a warm transfer's hold) or a newer stream carries it."""
+        if self.held:
+            return None  # the transfer's callbacks end it, or the caller comes back
+        if self.redirected:
+            return Outcome.TRANSFERRED_COLD, CallStatus.TRANSFERRING  # Twilio has the call
+        if self.reason == StreamOutcome.TRANSFER and not _dialable(self.end):
+            return Outcome.FAILED, CallStatus.ENDED  # the <Connect action> will not dial it
+        return _CALL_OVER.get(self.reason)
 
 
 @dataclass(slots=True)
@@ -139,23 +165,23 @@ async def _serve_accepted(
         call_sid=start.call_sid, stream_sid=start.stream_sid
     ):
         metrics.ACTIVE_CALLS.inc()
-        outcome = _Outcome()
-        started = time.monotonic()
+        outcome = _Outcome(started=time.monotonic())
         try:
             await _run_call(ws, start, services, outcome, planned)
         finally:
             _save_recording(services, outcome)
             metrics.ACTIVE_CALLS.dec()
-            metrics.CALLS.labels(outcome.reason.value).inc()
-            record = await _finish(services, start, outcome)
+            metrics.STREAMS.labels(outcome.reason.value).inc()
+            record, settled = await _finish(services, start, outcome)
             await _close(ws, 1000)
-            log_summary(
-                record,
-                outcome.session.stats if outcome.session is not None else None,
-                outcome=outcome.reason.value,
-                final=outcome.reason in _CALL_OVER,
-                started=started,
-            )
+            if not settled:  # the call goes on (resumes), or was ended elsewhere first
+                log_summary(
+                    record,
+                    outcome.stats,
+                    outcome=outcome.reason.value,
+                    final=False,
+                    started=outcome.started,
+                )
 
 
 async def _authorise(ws: WebSocket, token: str, services: CallServices) -> StreamClaims | None:
@@ -358,6 +384,10 @@ def _record_outcome(
         outcome.reason = finished.result() or StreamOutcome.DISCONNECT
 
 
+def _dialable(end: CallEnd | None) -> bool:
+    return end is not None and is_dialable(end.number)
+
+
 def _ended_by(end: CallEnd) -> StreamOutcome:
     return StreamOutcome.TRANSFER if end.action == EndAction.TRANSFER else StreamOutcome.HANGUP
 
@@ -501,10 +531,14 @@ async def _attach(services: CallServices, start: Start, planned: bool) -> tuple[
     return await store.update(start.call_sid, attach), True
 
 
-async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> CallRecord | None:
-    """Store how the call left this stream; the record as stored (None if not)."""
+async def _finish(
+    services: CallServices, start: Start, outcome: _Outcome
+) -> tuple[CallRecord | None, bool]:
+    """Store how the call left this stream and, when the call ended with it, settle how
+    (``ivr.call.endings``): the record as stored (None if not), and whether this stream
+    settled the call's ending (logged ``call.ended`` and counted it)."""
     if outcome.reason == StreamOutcome.SUPERSEDED:
-        return None  # a newer stream owns the record now
+        return None, False  # a newer stream owns the record now
     store = services.store
     call_sid = start.call_sid
     end = outcome.end
@@ -515,6 +549,8 @@ async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> Ca
         for turn in turns:
             record.add_turn(turn)
         record.add_events(events)
+        if record.is_ended:
+            return  # ended elsewhere first (Twilio's status callback): keep how
         if end is not None and not outcome.held:  # held: the transfer owns these fields
             record.end_action = end.action.value
             record.transfer_to = end.number
@@ -526,21 +562,31 @@ async def _finish(services: CallServices, start: Start, outcome: _Outcome) -> Ca
             # any instance can resume the call from the store. Moved: a new stream takes it.
             record.status = CallStatus.RECONNECTING
 
+    ending = outcome.ending()
     try:
-        record = await store.update(call_sid, fenced(start.stream_sid, mark))
-        if outcome.redirected and not outcome.held:  # no action request follows a redirect
-            await store.end(call_sid, CallStatus.TRANSFERRING)
-        elif outcome.reason == StreamOutcome.STOP or (
-            end is not None and end.action == EndAction.HANGUP
-        ):
-            await store.end(call_sid, CallStatus.ENDED)
+        if ending is None:
+            return await store.update(call_sid, fenced(start.stream_sid, mark)), False
+        settled = await settle(
+            store,
+            call_sid,
+            ending[0],
+            by="stream",
+            status=ending[1],
+            also=fenced(start.stream_sid, mark),
+            stats=outcome.stats,
+            started=outcome.started,
+        )
     except StreamSuperseded:
         log.info("call.finish_skipped", reason="a newer stream carries the call")
-        return None
+        return None, False
     except Exception as exc:  # the call is over either way; never fail teardown
         log.error("call.finish_failed", error=repr(exc))
-        return None
-    return record
+        if ending is None:
+            return None, False
+        # Nothing else knows how it ended: say it here (Twilio's callback may say it again).
+        announce(None, ending[0], by="stream", stats=outcome.stats, started=outcome.started)
+        return None, True
+    return settled.record, settled.ours
 
 
 async def _close(ws: WebSocket, code: int) -> None:

@@ -1,9 +1,11 @@
 """One summary log line per call (structlog's canonical log line): the call at a glance.
 
-Written when a call's stream ends: ``call.ended`` when the call itself is over, otherwise
-``call.stream_ended`` (it resumes on a new stream). Latencies cover every turn in the call
-record, so a call resumed elsewhere is summarised whole; counters cover this stream. No
-personal data: no numbers, no transcripts.
+``call.ended`` is written once per call, by whoever settled how it ended (``ivr.call.endings``:
+its stream, Twilio's status callback, the sweep of calls that never connected or were dropped);
+a stream that ends while its call goes on (it resumes on a new stream) writes
+``call.stream_ended``. Latencies cover every turn in the call record, so a call resumed
+elsewhere is summarised whole; counters cover this stream. No personal data: no numbers, no
+transcripts.
 """
 
 from __future__ import annotations
@@ -31,19 +33,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(
-    record: CallRecord | None, stats: CallStats | None, *, outcome: str, started: float
+    record: CallRecord | None, stats: CallStats | None, *, outcome: str, started: float | None
 ) -> dict[str, Any]:
-    """The fields of the summary line; ``record`` as last stored (None if unknown)."""
-    fields: dict[str, Any] = {"outcome": outcome, "stream_s": round(time.monotonic() - started, 3)}
+    """The fields of the summary line; ``record`` as last stored (None if unknown), ``started``
+    the monotonic time this stream started (None: ended without a stream here)."""
+    fields: dict[str, Any] = {"outcome": outcome}
+    if started is not None:
+        fields["stream_s"] = round(time.monotonic() - started, 3)
     if stats is not None:
         fields.update(barge_ins=stats.barge_ins, provider_errors=stats.provider_errors)
     if record is None:
         return fields
+    ended = record.ended_at or datetime.now(UTC)
     fields.update(
+        call_sid=record.call_sid,  # also where no stream's context names it (the sweep)
         flow=record.flow_name,
         flow_version=record.flow_version,
         node=record.node,
-        duration_s=round((datetime.now(UTC) - record.created_at).total_seconds(), 3),
+        duration_s=round((ended - record.created_at).total_seconds(), 3),
         turns=len(record.turns),
         resumes=max(0, record.stream_count - 1),
     )
@@ -61,7 +68,12 @@ def log_summary(
     *,
     outcome: str,
     final: bool,
-    started: float,
+    started: float | None,
+    **extra: Any,
 ) -> None:
-    event = "call.ended" if final else "call.stream_ended"
-    log.info(event, **summary(record, stats, outcome=outcome, started=started))
+    """``call.ended`` (``outcome``: how the call ended, ``ivr.state.outcomes``) or, for a stream
+    its call outlives, ``call.stream_ended`` (``reason``: why it left the stream)."""
+    fields = summary(record, stats, outcome=outcome, started=started)
+    if not final:
+        fields["reason"] = fields.pop("outcome")
+    log.info("call.ended" if final else "call.stream_ended", **fields, **extra)

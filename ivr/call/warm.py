@@ -26,11 +26,13 @@ from typing import Any
 import structlog
 
 from ivr.call.connect import CallParams, StreamConnector
+from ivr.call.endings import settle
 from ivr.call.session import CallEnd
 from ivr.call.warm_summary import SUMMARY_TIMEOUT, write_summary
 from ivr.llm.base import LanguageModel
 from ivr.obs import metrics
 from ivr.state.base import CallRecord, CallStatus, CallStore, StoreError, WarmTransferLeg
+from ivr.state.outcomes import Outcome
 from ivr.telephony.conference import agent_twiml, hold_twiml, room_name
 from ivr.telephony.rest import CallNotPlaced, NewCall, TwilioRest
 
@@ -222,14 +224,20 @@ class WarmTransfers:
             self._stop_watching(caller_sid)
             metrics.WARM_TRANSFERS.labels("connected").inc()
             log.info("warm_transfer.connected", room=_room(record))
-            await self._store.end(caller_sid, CallStatus.TRANSFERRING)
+            await settle(
+                self._store,
+                caller_sid,
+                Outcome.TRANSFERRED_WARM,
+                by="warm_transfer",
+                status=CallStatus.TRANSFERRING,
+            )
 
     async def _caller_left(self, caller_sid: str) -> None:
         """The caller hung up on hold: the agent must not be connected to nobody."""
         record = await self._fail(caller_sid, "caller-left")
         if record is None:
             return
-        await self._store.end(caller_sid, CallStatus.ENDED)
+        await settle(self._store, caller_sid, Outcome.CALLER_HUNG_UP, by="warm_transfer")
         leg = record.warm_transfer
         if leg is not None and leg.agent_call_sid:
             await self._rest.hang_up(leg.agent_call_sid)
@@ -243,7 +251,7 @@ class WarmTransfers:
         twiml = await self._connector.twiml(CallParams.of(record))
         if not await self._rest.redirect(caller_sid, twiml):
             log.warning("warm_transfer.caller_gone", result=result)
-            await self._store.end(caller_sid, CallStatus.ENDED)
+            await settle(self._store, caller_sid, Outcome.CALLER_HUNG_UP, by="warm_transfer")
             return True
         log.info("warm_transfer.caller_back", result=result)
         return True

@@ -15,6 +15,7 @@ from typing import Any
 
 from ivr.console import views
 from ivr.state.base import CallStore
+from ivr.state.outcomes import UnknownOutcome, parse_outcome
 
 PAGE = 100
 """Records read from the store at a time."""
@@ -46,7 +47,11 @@ class Search:
             raise BadSearch(f"before={before!r}: expected an ISO 8601 time") from None
         if after is not None and after.tzinfo is None:
             raise BadSearch(f"before={before!r}: the time needs its UTC offset")
-        return cls(query.strip(), flow.strip(), outcome.strip(), on, after)
+        try:  # the previous version's names ("hangup", "transfer") still find their calls
+            ended = parse_outcome(outcome).value if outcome.strip() else ""
+        except UnknownOutcome as exc:
+            raise BadSearch(str(exc)) from None
+        return cls(query.strip(), flow.strip(), ended, on, after)
 
 
 async def search_ended(

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ivr.obs.pii import mask_speech
+from ivr.state import outcomes
 from ivr.state.base import CallRecord, mask
 
 STAGES: tuple[tuple[str, str, float], ...] = (
@@ -36,18 +37,16 @@ _SENTENCE_END = (".", "!", "?", "…", '"', "'", ")")
 
 
 def outcome_of(record: CallRecord) -> str:
-    """How the call ended (or ``live``): the flow's outcome, else how it left the stream."""
-    if not record.is_ended:
-        return "live"
-    outcome = record.flow_state.get("outcome")
-    if isinstance(outcome, str) and outcome:
-        return outcome
-    return record.end_action or "dropped"
+    """How the call ended (``ivr.state.outcomes``, the same word as ``call.ended`` and
+    ``ivr_calls_total``), or ``live``. Records of the previous version are read too."""
+    ended = outcomes.outcome_of(record)
+    return ended.value if ended is not None else "live"
 
 
 def summary(record: CallRecord, *, pii: bool) -> dict[str, Any]:
     """One row of the active or ended list."""
     number = (lambda n: n) if pii else mask
+    ended = outcomes.outcome_of(record)
     return {
         "call_sid": record.call_sid,
         "caller": number(record.from_number),
@@ -55,7 +54,10 @@ def summary(record: CallRecord, *, pii: bool) -> dict[str, Any]:
         "flow": record.flow_name,
         "node": record.node or "",
         "status": str(record.status),
-        "outcome": outcome_of(record),
+        "outcome": ended.value if ended is not None else "live",
+        "outcome_meaning": outcomes.MEANING[ended] if ended is not None else "in progress",
+        "twilio_status": record.twilio_status,
+        "billed_s": record.billed_seconds,
         "instance": record.instance_id or "",
         "created_at": record.created_at.isoformat(),
         "updated_at": record.updated_at.isoformat(),

@@ -1,13 +1,20 @@
 """Every Prometheus metric the gateway exports, declared in one place.
 
 Labels stay bounded: provider, stage, outcome, reason. Never a call SID or a phone number.
+
+A labelled counter has no series until its first use, so "nothing went wrong" and "the metric
+is broken" look the same on a dashboard, and ``rate()`` never sees a series' first increment.
+``start_at_zero`` gives every label set the gateway knows (stages, the configured providers,
+failure kinds, outcomes) a series at 0 when it starts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from ivr.errors import ProviderError
+from ivr.errors import ProviderError, ProviderErrorKind
 
 # Voice turns land between ~0.3 s and a few seconds; stages between ~10 ms and ~2 s.
 TURN_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0)
@@ -58,7 +65,23 @@ PROVIDER_ERRORS = Counter(
     ["stage", "provider", "kind"],
 )
 ACTIVE_CALLS = Gauge("ivr_active_calls", "Media streams currently connected to this instance.")
-CALLS = Counter("ivr_calls_total", "Media streams handled, by how they ended.", ["outcome"])
+CALLS = Counter(
+    "ivr_calls_total",
+    "Calls ended, by how (ivr.state.outcomes): counted once per call, on the instance that "
+    "settled its ending.",
+    ["outcome"],
+)
+STREAMS = Counter(
+    "ivr_streams_total",
+    "Media streams ended on this instance, by why they left the stream (stop, hangup, "
+    "transfer, error, disconnect, moved, superseded); a call may have several.",
+    ["reason"],
+)
+TWILIO_STREAM_EVENTS = Counter(
+    "ivr_twilio_stream_events_total",
+    "Twilio's <Stream statusCallback> reports: stream-started, stream-stopped, stream-error.",
+    ["event"],
+)
 WEBHOOKS = Counter("ivr_webhooks_total", "Voice webhooks, by outcome.", ["outcome"])
 PROTOCOL_ERRORS = Counter(
     "ivr_protocol_errors_total", "Inbound stream messages we could not use.", ["reason"]
@@ -117,6 +140,71 @@ CAPACITY_CALLS = Gauge(
     "The configured maximum of concurrent calls on this instance (0 = unlimited).",
 )
 READY = Gauge("ivr_ready", "1 while this instance takes new calls (what /readyz says), else 0.")
+
+
+WEBHOOK_OUTCOMES = ("accepted", "forbidden", "overflow", "bad_request", "no_flow", "replay")
+PROTOCOL_REASONS = (
+    "bad_signature",
+    "bad_token",
+    "bad_token_signature",
+    "expired_token",
+    "spent_token",
+    "callsid_mismatch",
+    "sequence_gap",
+    "bad_json",
+    "binary_frame",
+    "oversized_frame",
+)
+BARGE_IN_LABELS = (
+    *(("speech", o) for o in ("interrupted", "resumed", "backchannel", "echo", "noise")),
+    ("dtmf", "interrupted"),
+    ("before_start", "interrupted"),
+)
+SPECULATION_STAGES, SPECULATION_OUTCOMES = ("stt", "llm", "tts"), ("used", "wasted", "failed")
+TURN_MODEL_OUTCOMES = ("complete", "incomplete", "unavailable", "timeout", "error")
+WARM_TRANSFER_OUTCOMES = (
+    "held",
+    "connected",
+    "busy",
+    "no-answer",
+    "failed",
+    "canceled",
+    "not-joined",
+    "timeout",
+    "caller-left",
+    "other",
+)
+TWILIO_STREAM_EVENT_NAMES = ("stream-started", "stream-stopped", "stream-error")
+
+
+def start_at_zero(
+    providers: Mapping[str, Iterable[str]], outcomes: Iterable[str], stream_reasons: Iterable[str]
+) -> None:
+    """A series at 0 for every label set the gateway knows: ``providers`` by stage (the
+    configured ones, fallbacks included) with every failure kind, the call ``outcomes`` and
+    stream end ``stream_reasons``, and the fixed label sets of the other counters."""
+    for stage, names in providers.items():
+        for name in names:
+            for kind in ProviderErrorKind:
+                PROVIDER_ERRORS.labels(stage, name, kind.value)
+    for outcome in outcomes:
+        CALLS.labels(outcome)
+    for reason in stream_reasons:
+        STREAMS.labels(reason)
+    fixed: list[tuple[Counter, Iterable[tuple[str, ...]]]] = [
+        (WEBHOOKS, ((o,) for o in WEBHOOK_OUTCOMES)),
+        (PROTOCOL_ERRORS, ((r,) for r in PROTOCOL_REASONS)),
+        (BARGE_INS, BARGE_IN_LABELS),
+        (SPECULATION, ((s, o) for s in SPECULATION_STAGES for o in SPECULATION_OUTCOMES)),
+        (PROMPT_CACHE, (("hit",), ("miss",))),
+        (RECORDINGS, (("saved",), ("failed",), ("dropped",))),
+        (TURN_MODEL, ((o,) for o in TURN_MODEL_OUTCOMES)),
+        (WARM_TRANSFERS, ((o,) for o in WARM_TRANSFER_OUTCOMES)),
+        (TWILIO_STREAM_EVENTS, ((e,) for e in TWILIO_STREAM_EVENT_NAMES)),
+    ]
+    for counter, label_sets in fixed:
+        for labels in label_sets:
+            counter.labels(*labels)
 
 
 def count_provider_error(stage: str, provider: str, error: ProviderError) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from ivr.call.status_callbacks import CALL_STATUS_PATH
 from ivr.errors import IvrError
 from ivr.flows.engine import CALL_VARIABLES
 from ivr.flows.registry import FlowRegistry
@@ -26,7 +27,7 @@ log = structlog.get_logger("ivr.outbound")
 
 ANSWER_PATH = "/twilio/outbound"
 AMD_PATH = "/twilio/amd"
-STATUS_PATH = "/twilio/outbound-status"
+STATUS_PATH = CALL_STATUS_PATH  # Twilio's final word on the call, answered or not
 
 Scalar = str | int | float | bool
 
@@ -98,7 +99,7 @@ class Dialer:
             url=self._public_url + ANSWER_PATH,
             machine_detection=amd,
             amd_callback_url=self._public_url + AMD_PATH if amd else "",
-            status_callback=self._public_url + STATUS_PATH,  # the end, answered or not
+            status_callback=self._public_url + STATUS_PATH,
         )
         try:
             call_sid = await self._rest.create_call(new)

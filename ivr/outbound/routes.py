@@ -1,6 +1,8 @@
 """Outbound calls over HTTP: ``POST /calls`` (operators, admin token) and what Twilio asks of a
 call we placed: the answer webhook (``/twilio/outbound``, then the same Media Streams path as an
-inbound call) and the async AMD result (``/twilio/amd``). Twilio's requests must be signed."""
+inbound call) and the async AMD result (``/twilio/amd``). Twilio's requests must be signed. Its
+call-status callback is every call's (``ivr.call.status_callbacks``): one nobody answered ends
+there, as never connected."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pydantic import ValidationError
 
 from ivr import phrases
 from ivr.call.connect import CallParams
+from ivr.call.endings import CallAlreadyEnded, expect_stream
 from ivr.call.tokens import valid_call_sid
 from ivr.call.webhook_auth import signed_form
 from ivr.console.auth import ConsoleAuth
@@ -22,12 +25,11 @@ from ivr.gateway import Gateway
 from ivr.outbound.dialer import (
     AMD_PATH,
     ANSWER_PATH,
-    STATUS_PATH,
     Dialer,
     DialRefused,
     DialRequest,
 )
-from ivr.state.base import CallRecord, CallStatus, StoreError, mask
+from ivr.state.base import CallRecord, StoreError, mask
 from ivr.telephony import twilio
 
 log = structlog.get_logger("ivr.outbound")
@@ -106,38 +108,7 @@ def outbound_router(gateway: Gateway) -> APIRouter:
         await _store_twilio_result(gateway, call_sid, answered_by)
         return Response(status_code=200)
 
-    @router.post(STATUS_PATH)
-    async def call_status(request: Request) -> Response:
-        form = await signed_form(request, gateway.services.auth)
-        if form is None:
-            return Response("invalid signature", status_code=403)
-        await _call_over(gateway, form.get("CallSid", ""), form.get("CallStatus", ""))
-        return Response(status_code=200)
-
     return router
-
-
-FINAL_STATUSES: Final = frozenset({"completed", "busy", "no-answer", "failed", "canceled"})
-
-
-async def _call_over(gateway: Gateway, call_sid: str, status: str) -> None:
-    """Twilio's last word on a call we placed: a call nobody answered (busy, no-answer, ...)
-    never had a stream to end its record, so it would stay listed as ringing: end it."""
-    if status not in FINAL_STATUSES or not valid_call_sid(call_sid):
-        return
-    try:
-        record = await gateway.store.get(call_sid)
-        if record is not None and not record.is_ended:
-            await gateway.store.end(call_sid, CallStatus.ENDED)
-    except StoreError as exc:
-        log.warning("outbound.status_not_stored", call_sid=call_sid, error=str(exc))
-        return
-    log.info(
-        "outbound.call_over",
-        call_sid=call_sid,
-        status=status,
-        answered=record is not None and record.stream_count > 0,
-    )
 
 
 async def _answer(gateway: Gateway, call_sid: str) -> Response:
@@ -154,6 +125,12 @@ async def _answer(gateway: Gateway, call_sid: str) -> Response:
     if not gateway.admission.takes_new_call():
         log.warning("outbound.overflow", call_sid=call_sid)
         return Response(gateway.admission.overflow_twiml(), media_type=XML)
+    try:  # it may have rung for a while: its wait for a stream starts now
+        record = await expect_stream(gateway.store, call_sid)
+    except CallAlreadyEnded:
+        return Response(twilio.hangup_twiml(), media_type=XML)
+    except StoreError as exc:
+        log.warning("outbound.wait_not_restarted", call_sid=call_sid, error=str(exc))
     gateway.admission.reserve(call_sid)
     xml = await gateway.services.connector.twiml(CallParams.of(record))
     return Response(xml, media_type=XML)

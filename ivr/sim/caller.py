@@ -30,6 +30,7 @@ import soxr
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from ivr.sim.callbacks import TwilioCallbacks
 from ivr.sim.playout import (
     FRAME_BYTES,
     SAMPLE_RATE,
@@ -177,6 +178,7 @@ class _Line:
         self.redirected = asyncio.Event()
         self.conference: ConferenceHost | None = None
         """Twilio's conference rooms, when the REST stand-in has them (a warm transfer)."""
+        self.callbacks: TwilioCallbacks | None = None
 
     def on_rest_update(self, update: CallUpdate) -> None:
         self.rest_updates.append(update)
@@ -262,6 +264,8 @@ class _Session:
     async def run(self) -> str:
         await self._send({"event": "connected", "protocol": "Call", "version": "1.0.0"}, False)
         self.started_t = await self._send({"event": "start", "start": self._start_body()})
+        if self.line.callbacks is not None:
+            self.line.callbacks.stream_event(self.stream, self.sid, "stream-started")
         self.line.playouts.append(self.playout)
         if self.line.first_stream_t is None:
             self.line.first_stream_t = self.started_t
@@ -429,6 +433,7 @@ async def place_call(
     rest_api: FakeTwilioRestApi | None = None,
     echo: LineEcho | None = None,
     outbound: OutboundAnswer | None = None,
+    call_status_url: str | None = None,
 ) -> CallReport:
     """Place one inbound call at the gateway and run ``script`` on it, in real time.
 
@@ -437,6 +442,9 @@ async def place_call(
     ``echo`` the line feeds the bot's own audio back, delayed and attenuated. With
     ``outbound`` this is the callee of a call the gateway placed: Twilio asks the call's
     ``Url`` (not the voice webhook) once the callee has picked up, and ``script`` is the callee.
+    With ``call_status_url`` (the number's status callback, a public URL) Twilio reports the
+    call ``completed`` with its duration when it is over; streams whose TwiML asks for status
+    callbacks get them either way (``ivr.sim.callbacks``).
     """
     if not isinstance(script, Script):
         script = script_from_data(list(script), source="<script>")
@@ -456,6 +464,7 @@ async def place_call(
         line.conference = rest_api.conference_host
     async with httpx.AsyncClient(timeout=10.0) as http:
         tw = TwilioSide(http, http_base, public_base_url or http_base, auth_token, ids)
+        line.callbacks = TwilioCallbacks(tw, report, line.t0, call_status_url)
         runner = asyncio.create_task(_run_script(line, steps, script))
         try:
             await _drive(line, tw, ws_base, report, open_timeout, first)
@@ -466,6 +475,8 @@ async def place_call(
             await asyncio.gather(runner, return_exceptions=True)
             if rest_api is not None:
                 rest_api.end_call(ids.call_sid)
+            line.callbacks.call_over("completed", round(line.rel(time.monotonic())))
+            await line.callbacks.aclose()
     report.rest_update_t = [line.rel(u.t) for u in line.rest_updates]
     await _finish(line, report, record_path, transcriber)
     return report
@@ -559,13 +570,22 @@ async def _connect_stream(
                 outcome = await session.run()
             finally:
                 info.started_t = line.rel(session.started_t) if session.started_t else 0.0
+                if session.started_t and line.callbacks is not None:
+                    line.callbacks.stream_event(stream, session.sid, "stream-stopped")
     except InvalidStatus as e:
         report.errors.append(f"31920 stream handshake to {url}: HTTP {e.response.status_code}")
+        _stream_error(line, stream, f"31920 handshake: HTTP {e.response.status_code}")
     except (InvalidHandshake, OSError, TimeoutError) as e:
         report.errors.append(f"31920 stream handshake to {url} failed: {e!r}")
+        _stream_error(line, stream, f"31920 handshake failed: {type(e).__name__}")
     info.ended_by = outcome
     info.ended_t = line.rel(time.monotonic())
     return info
+
+
+def _stream_error(line: _Line, stream: StreamTwiml, error: str) -> None:
+    if line.callbacks is not None:  # a stream that never started has a sid all the same
+        line.callbacks.stream_event(stream, "MZ" + secrets.token_hex(16), "stream-error", error)
 
 
 def _check_stream_url(url: str, line: _Line, report: CallReport) -> str:

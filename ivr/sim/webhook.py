@@ -27,6 +27,8 @@ class StreamTwiml:
     parameters: dict[str, str]
     action: str | None
     method: str
+    status_callback: str | None = None
+    """``<Stream statusCallback>``: where Twilio reports stream-started/-stopped/-error."""
 
 
 class TwilioSide:
@@ -55,7 +57,13 @@ class TwilioSide:
             "To": i.to,
         }
 
-    async def request(self, public_url: str, params: dict[str, str], method: str = "POST") -> str:
+    async def request(
+        self,
+        public_url: str,
+        params: dict[str, str],
+        method: str = "POST",
+        expect: tuple[int, ...] = (200,),
+    ) -> str:
         public_url = urljoin(self.public_base + "/", public_url)
         if method.upper() == "GET":
             public_url += ("&" if "?" in public_url else "?") + str(httpx.QueryParams(params))
@@ -65,7 +73,7 @@ class TwilioSide:
         resp = await self.http.request(
             method.upper(), real, data=params or None, headers={"X-Twilio-Signature": sig}
         )
-        if resp.status_code != 200:
+        if resp.status_code not in expect:
             raise CallFailed(f"{method} {public_url} -> HTTP {resp.status_code}: {resp.text[:200]}")
         return resp.text
 
@@ -92,6 +100,10 @@ def parse_stream(twiml: str) -> StreamTwiml | None:
             continue
         params = {p.get("name", ""): p.get("value", "") for p in st.findall("Parameter")}
         return StreamTwiml(
-            st.get("url", ""), params, conn.get("action"), conn.get("method", "POST")
+            st.get("url", ""),
+            params,
+            conn.get("action"),
+            conn.get("method", "POST"),
+            st.get("statusCallback"),
         )
     return None

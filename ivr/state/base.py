@@ -22,10 +22,18 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from ivr.errors import IvrError
 from ivr.obs.pii import mask_deep, mask_speech
+from ivr.state.outcomes import Outcome, outcome_of
 
 DEFAULT_HISTORY_LIMIT = 50
 DEFAULT_TURNS_LIMIT = 100
@@ -137,6 +145,11 @@ def mask(value: str, keep: int = 2) -> str:
 
 # Fields carrying personal data; redacted() masks every field marked this way.
 _PII: dict[str, Any] = {"pii": True}
+TwilioStatus = Literal["", "completed", "busy", "no-answer", "failed", "canceled"]
+# Fields added after records were first shared across versions, with their defaults: left out
+# of the JSON while at their default, so a rolling upgrade's previous-version instances (whose
+# model forbids unknown fields) still read every live call's record.
+_OMITTED_AT_DEFAULT: dict[str, Any] = {"outcome": None, "twilio_status": "", "billed_seconds": None}
 
 
 class CallRecord(BaseModel):
@@ -186,6 +199,23 @@ class CallRecord(BaseModel):
     "dtmf" | "barge_in" | "backchannel" | "node", ...}`` (see ``ivr.call.timeline``); the newest
     ``timeline_limit`` are kept. Key presses are stored as the flow stores answers."""
     timeline_limit: int = Field(default=DEFAULT_TIMELINE_LIMIT, ge=1)
+    outcome: Outcome | None = None
+    """How the call ended, settled once by whoever ended it (``ivr.call.endings``); None while
+    it goes on, and in records the previous version wrote (``outcome_of`` reads those)."""
+    twilio_status: TwilioStatus = ""
+    """Twilio's final word on the call (its call-status callback); empty until it comes."""
+    billed_seconds: int | None = Field(default=None, ge=0)
+    """The call's duration as Twilio billed it (``CallDuration``, seconds), same callback."""
+
+    @model_serializer(mode="wrap")
+    def _readable_by_previous_version(
+        self, handler: SerializerFunctionWrapHandler
+    ) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name, default in _OMITTED_AT_DEFAULT.items():
+            if name in data and data[name] == default:
+                del data[name]
+        return data
 
     @model_validator(mode="after")
     def _bounded_on_load(self) -> CallRecord:
@@ -242,11 +272,15 @@ class CallRecord(BaseModel):
         """The record as JSON data for people (admin API, ``ivr calls``): unless ``pii``, its
         numbers masked, and phone- or card-like text anywhere in it too (history, variables)."""
         if pii:
-            return self.model_dump(mode="json")
-        data: dict[str, Any] = mask_deep(self.redacted().model_dump(mode="json"), mask_speech)
-        # Ids and digests, never a person's number (a digest may be all digits by chance).
-        for name in ("call_sid", "stream_sid", "account_sid", "flow_version", "instance_id"):
-            data[name] = getattr(self, name)
+            data: dict[str, Any] = self.model_dump(mode="json")
+        else:
+            data = mask_deep(self.redacted().model_dump(mode="json"), mask_speech)
+            # Ids and digests, never a person's number (a digest may be all digits by chance).
+            for name in ("call_sid", "stream_sid", "account_sid", "flow_version", "instance_id"):
+                data[name] = getattr(self, name)
+        ended = outcome_of(self)  # records of the previous version too
+        data["outcome"] = ended.value if ended is not None else None
+        data["twilio_status"], data["billed_seconds"] = self.twilio_status, self.billed_seconds
         return data
 
     def to_json(self) -> str:
@@ -347,6 +381,11 @@ class CallStore(Protocol):
         """Ended calls still stored (``ended_ttl``), whichever instance ended them: newest
         ``ended_at`` first, only those that ended strictly before ``before`` (the previous
         page's last ``ended_at``: the next page). An empty page is the end of the list."""
+        ...
+
+    async def list_stale(self, written_before: datetime, limit: int = 100) -> list[CallRecord]:
+        """Calls not ended whose record was last written before ``written_before``, oldest
+        first: the candidates for an ending nobody wrote (``ivr.call.sweeper``)."""
         ...
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...

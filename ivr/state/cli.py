@@ -1,4 +1,5 @@
-"""`ivr calls list` / `ivr calls show SID`: look at live call state from a shell.
+"""`ivr calls list [--ended]` / `ivr calls show SID`: look at call state from a shell; an ended
+call shows how it ended in the console's words (``outcome``).
 
 Numbers, and phone- or card-like text anywhere in a record, are masked unless ``--pii``: whoever
 runs this reads Redis directly, but screens and terminal logs are shared.
@@ -20,13 +21,29 @@ from ivr.state.base import StoreError
 from ivr.state.redis_store import RedisCallStore
 
 _COLUMNS = ("call_sid", "status", "flow_name", "node", "from_number", "instance_id", "updated_at")
+_ENDED_COLUMNS = (
+    "call_sid",
+    "outcome",
+    "twilio_status",
+    "billed_seconds",
+    "flow_name",
+    "node",
+    "from_number",
+    "instance_id",
+    "ended_at",
+)
 
 
 def add_commands(subparsers: Any) -> None:
     calls = subparsers.add_parser("calls", help="inspect call state in Redis")
     sub = calls.add_subparsers(dest="calls_command", required=True)
-    listing = sub.add_parser("list", help="active calls, most recently updated first")
+    listing = sub.add_parser(
+        "list", help="active calls, most recently updated first (--ended: ended calls)"
+    )
     listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument(
+        "--ended", action="store_true", help="ended calls, newest first, with their outcome"
+    )
     listing.set_defaults(func=_run_list)
     show = sub.add_parser("show", help="one call's full record")
     show.add_argument("sid")
@@ -51,14 +68,17 @@ def _run_list(args: argparse.Namespace) -> int:
     store = _store(args)
     if store is None:
         return 2
-    calls = _run(store, store.list_active(args.limit))
+    listed = store.list_ended(args.limit) if args.ended else store.list_active(args.limit)
+    calls = _run(store, listed)
     if calls is None:
         return 1
     rows = [c.view(pii=args.pii) for c in calls]
     if args.json:
         print(json.dumps(rows, indent=2))
+    elif args.ended:
+        print(_table(rows, _ENDED_COLUMNS, "ended"))
     else:
-        print(_table(rows))
+        print(_table(rows, _COLUMNS, "active"))
     return 0
 
 
@@ -93,12 +113,12 @@ def _run(store: RedisCallStore, op: Any) -> Any:
     return asyncio.run(go())
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    cells = [[_cell(r.get(c), c) for c in _COLUMNS] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(_COLUMNS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
+def _table(rows: list[dict[str, Any]], columns: tuple[str, ...], what: str) -> str:
+    cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    lines.append(f"({len(rows)} active)")
+    lines.append(f"({len(rows)} {what})")
     return "\n".join(lines)
 
 

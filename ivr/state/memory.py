@@ -114,6 +114,17 @@ class MemoryCallStore:
         active.sort(key=lambda r: r.updated_at, reverse=True)
         return active[:limit]
 
+    async def list_stale(self, written_before: datetime, limit: int = 100) -> list[CallRecord]:
+        async with self._lock:
+            records = [self._load(sid) for sid in list(self._calls)]
+        stale = [
+            r
+            for r in records
+            if r is not None and r.ended_at is None and r.updated_at < written_before
+        ]
+        stale.sort(key=lambda r: r.updated_at)
+        return stale[: max(0, limit)]
+
     async def list_ended(
         self, limit: int = 100, before: datetime | None = None
     ) -> list[CallRecord]:

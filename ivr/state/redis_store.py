@@ -383,6 +383,25 @@ class RedisCallStore:
         oldest = time.time() - self.active_ttl
         await self._redis.zremrangebyscore(self._active_key, "-inf", oldest)
         sids = [_text(s) for s in await self._redis.zrevrange(self._active_key, 0, limit - 1)]
+        return await self._records_of(sids)
+
+    async def list_stale(self, written_before: datetime, limit: int = 100) -> list[CallRecord]:
+        if limit <= 0:
+            return []
+        top = f"({_score(written_before)!r}"
+        read = await self._run("list_stale", "", lambda: self._stale_records(limit, top))
+        records = []
+        for sid, raw in zip(*read, strict=True):
+            if raw is not None:
+                records.append(CallRecord.from_json(raw, self.call_key(sid)))
+        return [r for r in records if r.ended_at is None and r.updated_at < written_before]
+
+    async def _stale_records(self, limit: int, top: str) -> tuple[list[str], Sequence[Any]]:
+        # The active set is scored by updated_at: its oldest entries are the stale calls.
+        found = await self._redis.zrangebyscore(self._active_key, "-inf", top, 0, limit)
+        return await self._records_of([_text(s) for s in found])
+
+    async def _records_of(self, sids: list[str]) -> tuple[list[str], Sequence[Any]]:
         if not sids:
             return [], []
         keys = [self.call_key(s) for s in sids]
@@ -406,13 +425,7 @@ class RedisCallStore:
     async def _ended_records(self, limit: int, top: str) -> tuple[list[str], Sequence[Any]]:
         await self._redis.zremrangebyscore(self._ended_key, "-inf", self._ended_cutoff())
         found = await self._redis.zrevrangebyscore(self._ended_key, top, "-inf", 0, limit)
-        sids = [_text(s) for s in found]
-        if not sids:
-            return [], []
-        keys = [self.call_key(s) for s in sids]
-        if isinstance(self._redis, RedisCluster):
-            return sids, await self._redis.mget_nonatomic(keys)
-        return sids, await self._redis.mget(keys)
+        return await self._records_of([_text(s) for s in found])
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
         key, ttl_ms = self.token_key(token), max(1, int(ttl * 1000))

@@ -184,6 +184,20 @@ class ResilientCallStore:
             over_budget=self.over_budget,
         )
 
+    def shared(self) -> CallStore | None:
+        """The primary, for what only it can decide for every instance (the sweep that ends
+        calls nobody ended); None while it is unreachable."""
+        return None if self.degraded else self.primary
+
+    def unsynced(self, call_sid: str) -> bool:
+        """Whether this instance holds a write of the call the primary has not seen yet."""
+        return call_sid in self._pending
+
+    def learn(self, record: CallRecord) -> None:
+        """``record`` was just written to the primary on this instance's behalf (``shared``)."""
+        if record.call_sid not in self._pending:
+            self._remember(record, synced=True)
+
     def _has_pending(self) -> bool:
         return bool(self._pending or self._pending_spends or self._pending_flows)
 
@@ -255,6 +269,18 @@ class ResilientCallStore:
         live = [r for r in self._local.values() if r.ended_at is None]
         live.sort(key=lambda r: r.updated_at, reverse=True)
         return [clone(r) for r in live[:limit]]
+
+    async def list_stale(self, written_before: datetime, limit: int = 100) -> list[CallRecord]:
+        if not self.degraded:
+            try:
+                return await self.primary.list_stale(written_before, limit)
+            except StoreUnavailable as exc:
+                self._degrade("list_stale", exc)
+        stale = [
+            r for r in self._local.values() if r.ended_at is None and r.updated_at < written_before
+        ]
+        stale.sort(key=lambda r: r.updated_at)
+        return [clone(r) for r in stale[: max(0, limit)]]
 
     async def list_ended(
         self, limit: int = 100, before: datetime | None = None

@@ -207,11 +207,18 @@ def clear_message(stream_sid: str) -> str:
 # -- TwiML ----------------------------------------------------------------------------------
 
 
-def connect_stream_twiml(stream_url: str, action_url: str, parameters: Mapping[str, str]) -> str:
-    """``<Connect action><Stream url>`` with per-call ``<Parameter>``s (no query strings)."""
+def connect_stream_twiml(
+    stream_url: str,
+    action_url: str,
+    parameters: Mapping[str, str],
+    status_callback: str | None = None,
+) -> str:
+    """``<Connect action><Stream url statusCallback>`` with per-call ``<Parameter>``s (no query
+    strings); the status callback gets stream-started, stream-stopped and stream-error."""
     response = VoiceResponse()
     connect = Connect(action=action_url, method="POST")
-    stream = connect.stream(url=stream_url)
+    callback = {"status_callback": status_callback, "status_callback_method": "POST"}
+    stream = connect.stream(url=stream_url, **(callback if status_callback else {}))
     for name, value in parameters.items():
         stream.parameter(name=name, value=value)
     response.append(connect)

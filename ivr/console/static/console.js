@@ -159,11 +159,13 @@ function renderCall(call) {
   $("call-title").textContent = call.call_sid;
   const facts = [
     ["caller", call.caller], ["flow", call.flow], ["node", call.node], ["status", call.status],
-    ["outcome", call.outcome], ["instance", call.instance], ["duration", duration(call.duration_s)],
-    ["turns", String(call.turns)],
+    ["outcome", call.outcome === "live" ? "live" : `${call.outcome}: ${call.outcome_meaning}`,
+      call.outcome_meaning], ["instance", call.instance],
+    ["duration", duration(call.duration_s)], ["turns", String(call.turns)],
   ];
+  if (call.twilio_status) facts.push(["Twilio", twilioStatus(call)]);
   if (call.transfer_to) facts.push(["transfer to", call.transfer_to]);
-  $("call-facts").replaceChildren(...facts.map(([k, v]) => fact(k, v)));
+  $("call-facts").replaceChildren(...facts.map(([k, v, title]) => fact(k, v, title)));
   $("transcript").replaceChildren(...call.transcript.map(transcriptLine));
   $("events").replaceChildren(...call.events.map(eventLine));
   renderWaterfall(call.waterfall);
@@ -214,9 +216,12 @@ async function loadRecording(sid, part, audio, key) {
   }
 }
 
-function fact(name, value) {
+function fact(name, value, title) {
   const div = document.createElement("div");
-  div.append(el("dt", name), el("dd", value || "-"));
+  const dd = el("dd", value || "-");
+  if (title) dd.title = title;
+  div.append(el("dt", name), dd);
+  div.dataset.fact = name;
   return div;
 }
 
@@ -249,6 +254,9 @@ function eventLine(event) {
     stream: () => `stream ${event.streams} on ${event.to}`,
     transfer: () => `transfer to ${event.number}`,
     ended: () => `ended: ${event.to}`,
+    twilio_stream: () => `Twilio: ${event.event}` + (event.error ? ` (${event.error})` : ""),
+    twilio_status: () => `Twilio: call ${event.status}` +
+      (event.seconds === null || event.seconds === undefined ? "" : `, billed ${event.seconds} s`),
   }[event.kind];
   const li = el("li", `${time}  ${text ? text() : event.kind}`);
   li.className = `event ${event.kind}`;
@@ -320,9 +328,11 @@ async function searchEnded(event, more = false) {
   $("ended-more").hidden = !data.next;
   const body = $("ended-table").tBodies[0];
   const rows = data.calls.map((call) => {
-    const when = call.ended_at ? new Date(call.ended_at).toLocaleString() : "";
+    const when = call.ended_at ? shortTime(new Date(call.ended_at)) : "";
     const row = cells([when, call.caller, call.flow, call.outcome, duration(call.duration_s),
-      String(call.turns)]);
+      String(call.turns), twilioStatus(call)]);
+    row.cells[3].title = call.outcome_meaning;
+    row.cells[3].className = `outcome ${call.outcome}`;
     row.dataset.sid = call.call_sid;
     row.addEventListener("click", () => selectCall(call.call_sid));
     return row;
@@ -331,6 +341,17 @@ async function searchEnded(event, more = false) {
 }
 
 // -- small helpers -----------------------------------------------------------------------
+
+function shortTime(date) {  // today: the time; earlier: the day too
+  const today = new Date().toDateString() === date.toDateString();
+  return today ? date.toLocaleTimeString() : date.toLocaleString();
+}
+
+function twilioStatus(call) {
+  if (!call.twilio_status) return "";
+  return call.billed_s === null || call.billed_s === undefined ? call.twilio_status
+    : `${call.twilio_status}, ${call.billed_s} s`;
+}
 
 function el(tag, text) {
   const node = document.createElement(tag);
@@ -370,6 +391,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (state.selected) openCall(state.selected);
   });
   $("ended-form").addEventListener("submit", searchEnded);
+  $("outcome").addEventListener("change", () => searchEnded());
   $("ended-more").addEventListener("click", () => searchEnded(null, true));
   $("open-sid").addEventListener("click", () => { if ($("sid").value) selectCall($("sid").value.trim()); });
   setInterval(tickDurations, 1000);

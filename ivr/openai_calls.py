@@ -7,13 +7,12 @@ a streamed answer is read through httpx (``httpx2`` in openai>=3) unwrapped, and
 chunks without validating them, so a connection reset mid-stream or a ``"choices": null`` chunk
 arrives as an httpx error or a TypeError. Everything is mapped here, once.
 
-Everything goes over aiohttp. Speech (``OpenAIEndpoint``) is plain HTTP: a JSON or multipart
-request, raw PCM or one JSON answer back. The LLM keeps the openai SDK, over the SDK's own
-aiohttp transport (``openai_client``), with each stream chunk left a dict. Per turn, the SDK
-over httpx2 cost the gateway ~150 ms of CPU (``bench/provider_cost.py``: an 11 s two-sentence
-reply's speech 72 ms, its 40 tokens 34 ms), which capped a process at ~5 turns a second. The
-SDK's transport reports aiohttp's errors as httpx2 errors caused by them; ``_transport_error``
-reads the aiohttp one first (the SDK's own mapping calls a dropped connection a timeout).
+All three talk plain HTTP over aiohttp (``OpenAIEndpoint``): a JSON or multipart request, and
+raw PCM, one JSON answer or a server-sent event stream (``sse_events``) back. The openai SDK
+did this at 4-8x the CPU (per turn, an 11 s two-sentence reply's speech 72 ms and its 40 tokens
+34 ms over httpx2; 28 and 8 over the SDK's aiohttp transport; ``bench/provider_cost.py``), which
+capped a process at ~5 turns a second. The wire formats are OpenAI's (tests check them against
+the official client).
 """
 
 from __future__ import annotations
@@ -21,19 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import importlib
 import json
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TypeVar
 
 import aiohttp
-import httpx
-import openai
 
 from ivr.errors import ProviderError, ProviderErrorKind, ProviderStatusError, ProviderTimeout
 
@@ -41,30 +36,15 @@ T = TypeVar("T")
 Kind = ProviderErrorKind
 
 
-def _http_modules() -> tuple[ModuleType, ...]:
-    """httpx, plus httpx2 when installed: openai>=3 talks through httpx2, whose exception
-    classes are not httpx's."""
-    try:
-        return (httpx, importlib.import_module("httpx2"))
-    except ImportError:
-        return (httpx,)
-
-
-def _classes(name: str) -> tuple[type[BaseException], ...]:
-    return tuple(getattr(module, name) for module in _http_modules())
-
-
-_TIMEOUTS = _classes("TimeoutException")
 _NO_CONNECTION = (
-    *_classes("ConnectError"),
-    *_classes("ProxyError"),
-    *_classes("UnsupportedProtocol"),
+    aiohttp.ClientConnectorError,
     ssl.SSLError,
     socket.gaierror,
     ConnectionRefusedError,
 )
-_TRANSPORT = (*_classes("TransportError"), OSError, EOFError)
-_UNPARSABLE = (*_classes("DecodingError"), ValueError, TypeError, AttributeError, KeyError)
+_TIMED_OUT = (aiohttp.ServerTimeoutError, aiohttp.SocketTimeoutError)
+_TRANSPORT = (aiohttp.ClientError, OSError, EOFError)
+_UNPARSABLE = (ValueError, TypeError, AttributeError, KeyError)
 
 
 ERROR_BODY_LIMIT = 64 * 1024
@@ -142,28 +122,57 @@ def status_error(
     text = body.decode("utf-8", "replace")
     message = text[:500]
     with contextlib.suppress(ValueError):
-        parsed = json.loads(text)
-        error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-        if isinstance(error, dict):
-            message = str(error.get("message") or error.get("error") or json.dumps(error))[:500]
-        elif isinstance(error, str):
-            message = error[:500]
+        message = error_message(json.loads(text))
     return ProviderStatusError(provider, status, message, retry_after=retry_after(headers))
 
 
-def openai_client(
-    *, base_url: str, api_key: str, timeout: float | openai.Timeout
-) -> openai.AsyncOpenAI:
-    """An SDK client over aiohttp (see the module docstring), never retrying: retries are
-    ``ivr.providers_resilience``'s decision. ``timeout`` is a backstop only: every wait is
-    bounded (and named) by a ``WaitClock``."""
-    return openai.AsyncOpenAI(
-        base_url=base_url,
-        api_key=api_key,
-        max_retries=0,
-        timeout=timeout,
-        http_client=openai.DefaultAioHttpClient(timeout=timeout),
-    )
+class StreamErrorEvent(Exception):
+    """An ``error`` event inside a server-sent event stream: the server gave up mid-answer."""
+
+
+async def sse_events(content: aiohttp.StreamReader) -> AsyncGenerator[object, None]:
+    """The JSON data of each server-sent event in ``content``, until ``[DONE]`` or the end.
+    An ``error`` event (by its ``event:`` name or an ``"error"`` key) raises
+    ``StreamErrorEvent``; data that is not JSON raises ``ValueError``."""
+    event, data = "", []
+    async for raw in content:
+        line = raw.rstrip(b"\r\n")
+        if line:
+            field, _, value = line.partition(b":")
+            value = value[1:] if value.startswith(b" ") else value
+            if field == b"data":
+                data.append(value)
+            elif field == b"event":
+                event = value.decode("utf-8", "replace")
+            continue
+        if data:  # a blank line ends an event; without data it was a comment or a keep-alive
+            if (parsed := _event_data(event, data)) is _DONE:
+                return
+            yield parsed
+        event, data = "", []
+    if data and (parsed := _event_data(event, data)) is not _DONE:  # no blank line at the end
+        yield parsed
+
+
+_DONE = object()
+
+
+def _event_data(event: str, data: list[bytes]) -> object:
+    text = b"\n".join(data)
+    if text == b"[DONE]":
+        return _DONE
+    parsed = json.loads(text)
+    if event == "error" or (isinstance(parsed, dict) and "error" in parsed):
+        raise StreamErrorEvent(error_message(parsed))
+    return parsed
+
+
+def error_message(body: object) -> str:
+    """The message of an OpenAI error body (``{"error": {"message": ...}}`` and kin)."""
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("error") or json.dumps(error))[:500]
+    return str(error)[:500]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,63 +190,28 @@ class StageLimits:
 def provider_error(provider: str, exc: BaseException, *, transport_timeout: float) -> ProviderError:
     """``exc`` (raised while talking to ``provider``) as a ProviderError; raise it ``from exc``.
 
-    ``transport_timeout`` is the SDK's own (backstop) timeout, reported if that is what fired.
+    ``transport_timeout`` is the HTTP session's own (backstop) read timeout, reported if that is
+    what fired.
     """
     if isinstance(exc, ProviderError):
         return exc
-    if isinstance(exc, openai.APIStatusError):
-        after = retry_after(exc.response.headers) if exc.response is not None else None
-        return ProviderStatusError(provider, exc.status_code, error_text(exc), retry_after=after)
-    if _aiohttp_cause(exc) is not None:  # its transport names it better than the SDK does
-        return _transport_error(provider, exc, transport_timeout)
-    if isinstance(exc, (openai.APITimeoutError, *_TIMEOUTS)):
+    if isinstance(exc, _TIMED_OUT):
         return ProviderTimeout(provider, transport_timeout, phase="answer from the transport")
-    if isinstance(exc, openai.APIConnectionError):  # the SDK wraps the httpx error
-        cause = exc.__cause__ or exc.__context__ or exc
-        return _transport_error(provider, cause, transport_timeout)
+    if isinstance(exc, _NO_CONNECTION):
+        return ProviderError(provider, f"cannot connect ({_describe(exc)})", kind=Kind.CONNECT)
     if isinstance(exc, _TRANSPORT):
-        return _transport_error(provider, exc, transport_timeout)
-    if isinstance(exc, openai.APIResponseValidationError):
-        return payload_error(provider, str(exc))
-    if isinstance(exc, openai.APIError):  # an error event inside the stream: the server gave up
-        detail = f"error event in the stream: {exc.message}"
+        return ProviderError(provider, f"connection broke ({_describe(exc)})", kind=Kind.RESET)
+    if isinstance(exc, StreamErrorEvent):  # the server gave up mid-answer
+        detail = f"error event in the stream: {exc}"
         return ProviderError(provider, detail, kind=Kind.STATUS, retryable=True)
     if isinstance(exc, _UNPARSABLE):
         return payload_error(provider, f"{type(exc).__name__}: {exc}")
     return payload_error(provider, f"unexpected {type(exc).__name__}: {exc}")
 
 
-def _transport_error(provider: str, cause: BaseException, timeout: float) -> ProviderError:
-    aio = _aiohttp_cause(cause)
-    if aio is not None:
-        cause = aio
-        if isinstance(aio, aiohttp.ClientConnectorError):
-            return ProviderError(provider, f"cannot connect ({_describe(aio)})", kind=Kind.CONNECT)
-        if isinstance(aio, (aiohttp.ServerTimeoutError, aiohttp.SocketTimeoutError)):
-            return ProviderTimeout(provider, timeout, phase="answer from the transport")
-        return ProviderError(provider, f"connection broke ({_describe(aio)})", kind=Kind.RESET)
-    if isinstance(cause, _TIMEOUTS):
-        return ProviderTimeout(provider, timeout, phase="answer from the transport")
-    if isinstance(cause, _NO_CONNECTION):
-        return ProviderError(provider, f"cannot connect ({_describe(cause)})", kind=Kind.CONNECT)
-    return ProviderError(provider, f"connection broke ({_describe(cause)})", kind=Kind.RESET)
-
-
-def _aiohttp_cause(exc: BaseException) -> aiohttp.ClientError | None:
-    """The aiohttp error under an httpx2 error raised by the SDK's aiohttp transport."""
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 8:
-        if isinstance(current, aiohttp.ClientError):
-            return current
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return None
-
-
 def _describe(exc: BaseException) -> str:
-    """``ReadError <- ConnectionResetError: [Errno 104] ...``: httpx errors often have no text
-    of their own, the OS error under them does."""
+    """``ClientOSError <- ConnectionResetError: [Errno 104] ...``: an HTTP error with no text
+    of its own says what the OS error under it says."""
     names = [type(exc).__name__]
     while not str(exc) and (inner := exc.__cause__ or exc.__context__) is not None:
         exc = inner
@@ -262,16 +236,6 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
         return max(0.0, when.timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-
-
-def error_text(exc: openai.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, dict):
-        message = body.get("message") or body.get("error")
-        if message:
-            return str(message)
-        return json.dumps(body)[:500]
-    return exc.response.text[:500] if exc.response is not None else str(exc)
 
 
 class WaitClock:

@@ -222,6 +222,43 @@ async def test_a_wrong_api_key_is_a_non_retryable_401(srv):
     assert "Incorrect API key" in str(info.value)
 
 
+def sse(*events: str) -> bytes:
+    return "".join(events).encode()
+
+
+def delta(text: str) -> str:
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    chunk["choices"] = [{"index": 0, "delta": {"content": text}, "finish_reason": None}]
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+async def test_an_error_event_mid_stream_is_a_retryable_status_error_after_the_text(srv):
+    body = sse(delta("Hello"), 'event: error\ndata: {"error": {"message": "overloaded"}}\n\n')
+    srv.faults["chat"] = Fault(raw=body, content_type="text/event-stream")
+    llm, got = make_llm(srv), []
+    with pytest.raises(ProviderError) as info:
+        async for event in llm.stream_chat(USER):
+            got.append(event)
+    await llm.aclose()
+    assert got == [TextDelta("Hello")]
+    assert info.value.kind is ProviderErrorKind.STATUS and info.value.retryable
+    assert "overloaded" in str(info.value)
+
+
+async def test_events_are_read_across_comments_crlf_and_a_missing_last_blank_line(srv):
+    pieces = [": keep-alive\n\n", delta("Hi").replace("\n", "\r\n"), "\n", delta(" there")]
+    srv.faults["chat"] = Fault(raw=sse(*pieces).rstrip(b"\n"), content_type="text/event-stream")
+    assert await collect(make_llm(srv), USER) == [TextDelta("Hi"), TextDelta(" there")]
+
+
+async def test_an_event_that_is_not_json_is_an_unusable_answer(srv):
+    body = sse(delta("Hi"), "data: {not json\n\n")
+    srv.faults["chat"] = Fault(raw=body, content_type="text/event-stream")
+    with pytest.raises(ProviderError) as info:
+        await collect(make_llm(srv), USER)
+    assert info.value.kind is ProviderErrorKind.PAYLOAD
+
+
 async def test_no_server_listening_is_a_retryable_connect_error():
     url = f"http://127.0.0.1:{free_port()}/v1"
     llm = OpenAICompatLlm(base_url=url, api_key=KEY, model="m")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-import openai
-
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
-from ivr.openai_calls import StageLimits, WaitClock, openai_client, payload_error
+from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error, sse_events
 
 REASONING_OFF: Mapping[str, Any] = {"reasoning_effort": "none"}
 """Thinking off on Cerebras and the Hugging Face router (Gemma 4, GPT-OSS: minimum effort)."""
@@ -75,14 +74,13 @@ class OpenAICompatLlm:
         waiting on the server for one reply in all."""
         self.extra_body = dict(extra_body) if extra_body else None
         """Provider-specific top-level fields merged into every request body."""
-        self._client = openai_client(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=openai.Timeout(total_timeout + 1.0, connect=connect_timeout),
+        self._http = OpenAIEndpoint(
+            base_url,
+            api_key,
+            provider=name,
+            read_timeout=total_timeout + 1.0,
+            connect_timeout=connect_timeout,
         )
-        # The SDK imports its resource modules on first attribute access (~50 ms): do it now,
-        # not inside the first caller turn on the event loop.
-        _ = self._client.chat.completions
 
     async def start(self) -> None:
         """Nothing to launch: the model runs at the provider."""
@@ -92,7 +90,7 @@ class OpenAICompatLlm:
         return self.limits.first
 
     async def aclose(self) -> None:
-        await self._client.close()
+        await self._http.aclose()
 
     def request_params(
         self,
@@ -141,41 +139,27 @@ class OpenAICompatLlm:
             self.name, limits, first_phase="first token", transport_timeout=limits.total + 1.0
         )
         calls: dict[int, _ToolCallParts] = {}
-        stream = await clock.wait(self._open(params))
-        try:
-            received = 0
-            while (chunk := await clock.wait(_next_chunk(stream))) is not None:
+        body = {k: v for k, v in params.items() if k != "extra_body"} | (self.extra_body or {})
+        received = 0
+        async with AsyncExitStack() as stack:
+            response = await clock.wait(
+                stack.enter_async_context(self._http.post("/chat/completions", json_body=body))
+            )
+            kind = response.headers.get("content-type", "")
+            if kind.startswith(_NOT_SSE):  # an error page or a JSON body served with status 200
+                raise payload_error(self.name, f"{kind} instead of an event stream")
+            chunks = await stack.enter_async_context(aclosing(sse_events(response.content)))
+            while (chunk := await clock.wait(anext(chunks, None))) is not None:
                 received += 1
                 texts, progressed = _absorb(self.name, chunk, calls)
                 if progressed:
                     clock.output_started()
                 for text in texts:
                     yield text
-        finally:
-            await stream.close()
         if not received:
             raise payload_error(self.name, "the stream ended without a single chunk")
         for call in _finish_tool_calls(self.name, calls):
             yield call
-
-    async def _open(self, params: dict[str, Any]) -> openai.AsyncStream[JsonDict]:
-        """The SDK sends the request, reads the event stream and raises its error events; the
-        chunks come back as plain dicts (``cast_to=object``): building a pydantic model of each
-        was most of a streamed reply's CPU (``bench/provider_cost.py``)."""
-        body = dict(params)
-        extra = body.pop("extra_body", None) or {}
-        stream = await self._client.post(
-            "/chat/completions",
-            body={**body, **extra},
-            cast_to=object,
-            stream=True,
-            stream_cls=openai.AsyncStream[JsonDict],
-        )
-        kind = stream.response.headers.get("content-type", "")
-        if kind.startswith(_NOT_SSE):  # an error page or a JSON body served with status 200
-            await stream.close()
-            raise payload_error(self.name, f"{kind} instead of an event stream")
-        return stream
 
 
 # ---- wire mapping -----------------------------------------------------------------------
@@ -205,13 +189,6 @@ def _message_json(message: ChatMessage) -> dict[str, Any]:
 def _tool_json(tool: ToolSpec) -> dict[str, Any]:
     function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
     return {"type": "function", "function": function}
-
-
-async def _next_chunk(stream: openai.AsyncStream[JsonDict]) -> JsonDict | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def _absorb(

@@ -2,11 +2,10 @@
 raw 16-bit little-endian mono samples (24 kHz on OpenAI), streamed as they are synthesised.
 
 Servers stream far faster than real time, in small pieces (40 ms every 10 ms is typical), and
-every piece the event loop reads off the socket costs it a wakeup: an 11 s reply was ~275. The
-session reads only ``READ_BUFSIZE`` ahead of whoever iterates ``synthesize``; a consumer that has
-enough audio in hand and waits before asking for more (``ivr.call.speech``) leaves the socket
-alone meanwhile, and the kernel gathers what the server sends for the next read to take in one
-go (bench/provider_cost.py).
+every piece the event loop reads off the socket costs it a wakeup and a parse: an 11 s reply was
+~275 of them. So the socket is read only while whoever iterates ``synthesize`` is waiting for
+audio: a consumer with enough in hand waits before asking again (``ivr.call.speech``), the
+kernel gathers what the server sends meanwhile, and one read takes it all (bench/provider_cost.py).
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
+import aiohttp
+
 from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 
 # A JSON error or an HTML proxy page served with status 200 is not audio, whatever its bytes.
 _NOT_AUDIO = ("application/json", "text/")
-READ_BUFSIZE = 4096
 
 
 class OpenAIHttpTts:
@@ -61,7 +61,6 @@ class OpenAIHttpTts:
             api_key,
             provider=name,
             read_timeout=total_timeout + 1.0,
-            read_bufsize=READ_BUFSIZE,
         )
 
     @property
@@ -107,17 +106,40 @@ class OpenAIHttpTts:
                 answer = await clock.wait(response.content.read(200))
                 raise payload_error(self.name, f"{kind} instead of audio: {answer[:120]!r}")
             carry = b""
-            while True:
-                chunk = await clock.wait(response.content.readany())
-                if not chunk:
-                    break
-                clock.output_started()
-                data = carry + chunk
-                whole = len(data) - len(data) % 2  # keep an odd trailing byte for the next chunk
-                carry = data[whole:]
-                if whole:
-                    yield data[:whole]
+            socket = _SocketHold(response)
+            try:
+                while True:
+                    socket.read()
+                    chunk = await clock.wait(response.content.readany())
+                    socket.hold()
+                    if not chunk:
+                        break
+                    clock.output_started()
+                    data = carry + chunk
+                    whole = len(data) - len(data) % 2  # an odd trailing byte waits for the next
+                    carry = data[whole:]
+                    if whole:
+                        yield data[:whole]
+            finally:
+                socket.read()  # a connection goes back to the pool reading, as it came
         if carry:
             raise payload_error(self.name, "stream ended inside a sample (odd byte count)")
         if not clock.flowing:
             raise payload_error(self.name, f"no audio for {len(text)} characters of text")
+
+
+class _SocketHold:
+    """The answer's socket, read only while the consumer waits for audio (see the module
+    docstring). aiohttp's own flow control stays out of it: it pauses only past 128 KiB held."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        connection = response.connection
+        self._transport = connection.transport if connection is not None else None
+
+    def read(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def hold(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()

@@ -45,12 +45,10 @@ has enough ahead of them: a provider streaming 40 ms chunks at 4x real time othe
 resampler call and a queue write per chunk (bench/capacity.py)."""
 TTS_LOW_WATER_S = 0.4
 """Less than this queued ahead of what the caller hears, and audio goes out as it comes."""
-TTS_AHEAD_S = 1.5
-"""With more than this ahead of the caller, TTS is read no more than every ``TTS_READ_EVERY_S``:
-each read then takes what the server sent meanwhile in one go, not one socket wakeup per 40 ms
-piece (``ivr.tts.openai_http``), and the next sentence is still asked for with more than a
-TTS first byte's worth of audio in hand."""
-TTS_READ_EVERY_S = 0.15
+TTS_READ_EVERY_S = 0.1
+"""With ``TTS_LOW_WATER_S`` in hand, TTS is read no more often than this: each read then takes
+what the server sent meanwhile in one go (~0.4 s of audio at 4x real time), not one socket
+wakeup per 40 ms piece (``ivr.tts.openai_http``)."""
 
 TurnRecorder = Callable[[dict[str, float]], None]
 
@@ -372,13 +370,12 @@ class SpeechHandle:
 
 
 async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:
-    """``stream``, asked for its next chunk only once the caller is short of audio or
-    ``TTS_READ_EVERY_S`` has passed (see ``TTS_AHEAD_S``)."""
+    """``stream``, asked for its next chunk at once while the caller is short of audio, else
+    ``TTS_READ_EVERY_S`` after the last one."""
     async for pcm in stream:
         yield pcm
-        ahead = player.ahead()
-        if ahead > TTS_AHEAD_S:
-            await asyncio.sleep(min(TTS_READ_EVERY_S, ahead - TTS_AHEAD_S))
+        if player.ahead() > TTS_LOW_WATER_S:
+            await asyncio.sleep(TTS_READ_EVERY_S)
 
 
 async def _aclose(stream: object) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
-from ivr.audio.echo import RATE, FarEndReference
+from ivr.audio.far_end import RATE, FarEndReference
 
 
 class PlainReference:

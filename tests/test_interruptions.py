@@ -22,7 +22,8 @@ from prometheus_client import REGISTRY
 from redis_server import LOCAL_REDIS_URL
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
-from ivr.audio.echo import FarEndReference, check_echo
+from ivr.audio.echo import check_echo
+from ivr.audio.far_end import FarEndReference
 from ivr.audio.voicing import voiced_frames
 from ivr.audio.wav import pcm16_to_wav
 from ivr.call.interruptions import (

@@ -16,137 +16,13 @@ the echo window, the only time the check is needed.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from ivr.audio.codec import ulaw_to_pcm16
-
-RATE = 8000
-FRAME = 160  # samples per 20 ms
-SILENT_DB = -55.0
-"""A far-end frame below this (dBFS) carries nothing that could echo audibly."""
-_SILENT_POWER = (32768.0 * 10 ** (SILENT_DB / 20)) ** 2
-
-
-def level_db(pcm: npt.NDArray[np.float64]) -> float:
-    """RMS level of ``pcm`` (int16 scale) in dBFS; -120 for digital silence."""
-    if pcm.size == 0:
-        return -120.0
-    ms = float(np.mean(pcm * pcm))
-    return 10 * math.log10(ms / (32768.0 * 32768.0)) if ms > 0 else -120.0
-
-
-@dataclass(slots=True)
-class _Played:
-    """One piece of bot audio as sent, decoded only if an echo check looks at it."""
-
-    at: int
-    """Sample index it starts playing at."""
-    ulaw: bytes
-    _pcm: npt.NDArray[np.float64] | None = None
-    _frame_power: npt.NDArray[np.float64] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.at + len(self.ulaw)
-
-    def pcm(self) -> npt.NDArray[np.float64]:
-        if self._pcm is None:
-            self._pcm = np.frombuffer(ulaw_to_pcm16(self.ulaw), dtype="<i2").astype(np.float64)
-        return self._pcm
-
-    def loud_between(self, a: int, b: int) -> bool:
-        """Some 20 ms frame of it that overlaps [a, b) is above ``SILENT_DB``."""
-        if self._frame_power is None:
-            x = self.pcm()
-            whole = x[: x.size - x.size % FRAME].reshape(-1, FRAME)
-            tail = x[whole.size :]
-            powers = [np.mean(whole * whole, axis=1)] if whole.size else []
-            if tail.size:
-                powers.append(np.array([np.mean(tail * tail)]))
-            self._frame_power = np.concatenate(powers) if powers else np.zeros(0)
-        first = max(0, (a - self.at) // FRAME)
-        last = min(self._frame_power.size, (b - self.at + FRAME - 1) // FRAME)
-        return bool(np.any(self._frame_power[first:last] > _SILENT_POWER))
-
-    def truncate(self, end: int) -> None:
-        self.ulaw = self.ulaw[: max(0, end - self.at)]
-        self._pcm = self._frame_power = None
-
-
-class FarEndReference:
-    """What the caller has been hearing: the bot's audio on our playout clock (seconds), the
-    last ``history_s`` of it (silence where nothing played).
-
-    Filled as audio is sent (every ~100 ms per call while the bot talks), read only when caller
-    sound over the bot needs an echo check: audio is kept as sent and decoded when read.
-    """
-
-    def __init__(self, history_s: float = 2.5) -> None:
-        self._size = round(history_s * RATE)
-        self._origin: float | None = None
-        """Playout time of sample index 0."""
-        self._pieces: deque[_Played] = deque()
-        self._kept_from = 0
-        """Oldest sample index kept: ``history_s`` before the newest audio played."""
-
-    @property
-    def _end(self) -> int:
-        return self._pieces[-1].end if self._pieces else 0
-
-    def _index(self, t: float) -> int:
-        assert self._origin is not None
-        return round((t - self._origin) * RATE)
-
-    def played(self, start: float, ulaw: bytes) -> None:
-        """``ulaw`` starts playing at ``start`` (after what was queued before it)."""
-        if self._origin is None:
-            self._origin = start
-        at = self._index(start)
-        self._forget_from(at)  # at < end: clock rounding (a sample of overlap); newer wins
-        self._pieces.append(_Played(at, ulaw))
-        self._kept_from = max(self._kept_from, self._end - self._size)
-        while self._pieces and self._pieces[0].end <= self._kept_from:
-            self._pieces.popleft()
-
-    def cut(self, at: float) -> None:
-        """A ``clear`` at ``at``: audio scheduled to play after it never did."""
-        if self._origin is not None:
-            self._forget_from(self._index(at))
-
-    def _forget_from(self, at: int) -> None:
-        pieces = self._pieces
-        while pieces and pieces[-1].at >= at:
-            pieces.pop()
-        if pieces and pieces[-1].end > at:
-            pieces[-1].truncate(at)
-
-    def _overlapping(self, a: int, b: int) -> list[_Played]:
-        """Pieces that overlap [a, b), oldest first (the kept history only)."""
-        a = max(a, self._kept_from)
-        return [p for p in self._pieces if p.at < b and p.end > a] if a < b else []
-
-    def audible(self, lo: float, hi: float) -> bool:
-        """Some bot audio above ``SILENT_DB`` (per 20 ms) played between ``lo`` and ``hi``."""
-        if self._origin is None:
-            return False
-        a, b = self._index(lo), self._index(hi)
-        return any(p.loud_between(a, b) for p in self._overlapping(a, b))
-
-    def samples(self, lo: float, hi: float) -> npt.NDArray[np.float64]:
-        """The far-end audio that played from ``lo`` to ``hi`` (zeros where nothing did)."""
-        n = max(0, round((hi - lo) * RATE))
-        out = np.zeros(n)
-        if self._origin is None:
-            return out
-        a = self._index(lo)
-        for piece in self._overlapping(a, a + n):
-            s0, s1 = max(a, piece.at, self._kept_from), min(a + n, piece.end)
-            out[s0 - a : s1 - a] = piece.pcm()[s0 - piece.at : s1 - piece.at]
-        return out
+from ivr.audio.far_end import FRAME, RATE, SILENT_DB, FarEndReference
+from ivr.audio.levels import level_db
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +47,14 @@ def check_echo(
 ) -> EchoCheck:
     """Correlate ``near`` (caller audio ending at ``near_end`` on the playout clock) with the
     far end played ``min_delay`` to ``max_delay`` earlier: one FFT over the delay range (the
-    whole 0.6 s: ~0.5 ms; +-20 ms around a delay already found: ~0.1 ms)."""
+    whole 0.6 s: ~0.5 ms; +-20 ms around a delay already found: ~0.1 ms), then each
+    ``PIECE_S`` of ``near`` on its own within ``PIECE_SLACK_S`` of that delay.
+
+    The pieces are why the copy need not be exact: Twilio plays on a 20 ms frame clock, so
+    audio that reaches an idle queue (a TTS slower than real time, the start of a reply) starts
+    at the next frame, up to 20 ms later than we placed it. The echo is then piecewise shifted
+    against the reference, and whitened speech decorrelates within a sample or two: the whole
+    window scored 0.25-0.55 on such an echo, its pieces ~0.85."""
     n = near.size
     lo = near_end - n / RATE - max_delay
     far = reference.samples(lo - 1 / RATE, near_end - min_delay)
@@ -184,18 +67,108 @@ def check_echo(
     far = np.diff(far)
     x = np.diff(near, prepend=near[0])
     x = x - x.mean()
+    whole = _normalised_correlation(x, far)
+    k = int(np.argmax(whole))
+    delay = max_delay - k / RATE  # lag 0: the far window that starts max_delay early
+    pieced = _pieced_correlation(x, far, k)
+    return EchoCheck(max(float(whole[k]), pieced), delay, near_db, far_db)
+
+
+PIECE_S = 0.08
+"""Pieces of the caller's window correlated on their own (see ``check_echo``)."""
+PIECE_SLACK_S = 0.025
+"""How far each piece's delay may stray from the whole window's."""
+
+
+def _normalised_correlation(
+    x: npt.NDArray[np.float64], far: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """|corr| of ``x`` with each window of ``far`` of its length, normalised by both energies
+    (windows of near silence on the far end score 0: their ratio means nothing)."""
+    n = x.size
     size = 1 << (far.size + n).bit_length()
-    # corr[k] = sum_i x[i] * far[k + i]: near aligned with the far end starting at sample k.
+    # corr[k] = sum_i x[i] * far[k + i]: x aligned with the far end starting at sample k.
     corr = np.fft.irfft(np.fft.rfft(far, size) * np.conj(np.fft.rfft(x, size)), size)
     lags = far.size - n + 1
-    corr = corr[:lags]
-    # Energy of each far-end window of length n, for the normalisation.
     csum = np.concatenate([[0.0], np.cumsum(far * far)])
     window_energy = csum[n : n + lags] - csum[:lags]
-    denom = np.sqrt(np.maximum(window_energy, 1e-9) * float(np.dot(x, x)))
-    ncc = np.abs(corr) / denom
-    # Ignore windows of (near) silence on the far end: their ratio is meaningless.
-    ncc[window_energy < n * (32768 * 10 ** ((SILENT_DB - 10) / 20)) ** 2] = 0.0
-    k = int(np.argmax(ncc))
-    delay = max_delay - k / RATE  # lag 0: the far window that starts max_delay early
-    return EchoCheck(float(ncc[k]), delay, near_db, far_db)
+    denominator = np.sqrt(np.maximum(window_energy, 1e-9) * float(np.dot(x, x)))
+    ncc: npt.NDArray[np.float64] = np.abs(corr[:lags]) / denominator
+    ncc[window_energy < n * _QUIET_WINDOW_POWER] = 0.0
+    return ncc
+
+
+_QUIET_WINDOW_POWER = (32768 * 10 ** ((SILENT_DB - 10) / 20)) ** 2
+
+
+def _pieced_correlation(x: npt.NDArray[np.float64], far: npt.NDArray[np.float64], k: int) -> float:
+    """Each ``PIECE_S`` of ``x`` at its own best lag near ``k``, weighted by its energy."""
+    piece, slack = round(PIECE_S * RATE), round(PIECE_SLACK_S * RATE)
+    total = weight = 0.0
+    for start in range(0, x.size - piece + 1, piece):
+        part = x[start : start + piece]
+        energy = float(np.dot(part, part))
+        lo, hi = max(0, k + start - slack), min(far.size, k + start + piece + slack)
+        if energy <= 0.0 or hi - lo < piece:
+            continue
+        total += energy * float(np.max(_normalised_correlation(part, far[lo:hi])))
+        weight += energy
+    return total / weight if weight else 0.0
+
+
+@dataclass(slots=True)
+class EchoPath:
+    """This call's echo path, once heard for sure: how late and how much quieter the bot's
+    voice comes back. Then caller sound no louder than that echo would be is the echo, however
+    poorly it correlates (a jittery line, a clipped speakerphone); a caller talking over it is
+    louder than their own echo by more than ``MARGIN_DB``."""
+
+    CONFIDENT = 0.75
+    """A check this sure teaches the path."""
+    MARGIN_DB = 6.0
+    """Caller sound up to this much above the echo's predicted level is still the echo."""
+    SLACK_S = 0.03
+    """Jitter allowed around the learned delay when predicting the echo's level."""
+
+    delay_s: float | None = None
+    return_loss_db: float | None = None
+    _losses: list[float] = field(default_factory=list)
+
+    def observe(self, check: EchoCheck, far_at_delay_db: float) -> None:
+        """A check; if confident, its delay and the echo's return loss are learned (the
+        median of the last few, so a clipped moment does not move it much)."""
+        if check.correlation < self.CONFIDENT or far_at_delay_db <= SILENT_DB:
+            return
+        self._losses = [*self._losses[-6:], far_at_delay_db - check.near_db]
+        self.return_loss_db = float(np.median(self._losses))
+        self.delay_s = check.delay_s
+
+    def explains(
+        self, near: npt.NDArray[np.float64], near_end: float, reference: FarEndReference
+    ) -> bool:
+        """``near`` is no louder than the echo of what played ``delay_s`` before it."""
+        if self.delay_s is None or self.return_loss_db is None:
+            return False
+        n = near.size
+        end = near_end - self.delay_s
+        far = reference.samples(end - n / RATE - self.SLACK_S, end + self.SLACK_S)
+        predicted = _loudest_window_db(far, n) - self.return_loss_db
+        return level_db(near) <= predicted + self.MARGIN_DB
+
+    def far_level_at(
+        self, check: EchoCheck, n: int, near_end: float, reference: FarEndReference
+    ) -> float:
+        """The far end's level over the window ``check`` matched ``n`` samples of near to."""
+        end = near_end - check.delay_s
+        return level_db(reference.samples(end - n / RATE, end))
+
+
+def _loudest_window_db(x: npt.NDArray[np.float64], n: int) -> float:
+    """Level of the loudest ``n``-sample window of ``x`` (in steps of 10 ms)."""
+    if x.size <= n:
+        return level_db(x)
+    csum = np.concatenate([[0.0], np.cumsum(x * x)])
+    step = RATE // 100
+    starts = np.arange(0, x.size - n + 1, step)
+    power = float(np.max(csum[starts + n] - csum[starts])) / n
+    return 10 * math.log10(power / (32768.0 * 32768.0)) if power > 0 else -120.0

@@ -40,7 +40,9 @@ import numpy.typing as npt
 import structlog
 
 from ivr.audio.codec import FRAME_BYTES_PCM16
-from ivr.audio.echo import RATE, EchoCheck, FarEndReference, check_echo, level_db
+from ivr.audio.echo import EchoCheck, EchoPath, check_echo
+from ivr.audio.far_end import RATE, FarEndReference
+from ivr.audio.levels import active_level_db, level_db
 from ivr.audio.voicing import voiced_frames
 
 log = structlog.get_logger("ivr.call")
@@ -66,6 +68,28 @@ _WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
 def words_of(text: str) -> list[str]:
     """Lower-case words, punctuation dropped ("Mm-hmm." -> ["mm-hmm"])."""
     return _WORD.findall(text.lower())
+
+
+ECHO_WORDS_SHARE = 0.7
+"""Of a transcript's words, this share found in order in what the bot just said: its echo."""
+
+
+def echoes_bot(text: str, bot_said: str) -> bool:
+    """``text`` (a transcript of caller sound) is the bot's own words coming back: most of
+    its words appear, in order, in ``bot_said``. An STT transcribes an echo that got past the
+    audio checks as the bot's words; answering them would be the bot answering itself."""
+    heard, said = words_of(text), words_of(bot_said)
+    if not heard or not said:
+        return False
+    # Longest common subsequence, one row at a time: a few dozen words each way.
+    row = [0] * (len(said) + 1)
+    for word in heard:
+        diagonal = 0
+        for j, spoken in enumerate(said, 1):
+            above = row[j]
+            row[j] = diagonal + 1 if word == spoken else max(row[j], row[j - 1])
+            diagonal = above
+    return row[-1] >= ECHO_WORDS_SHARE * len(heard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +154,34 @@ class BackchannelHabit:
         return max(policy.min_speech_ms, learned)
 
 
+@dataclass(slots=True)
+class CallerLevel:
+    """Per call: how loud this caller speaks, from the turns they took. Sound over the bot
+    much quieter than that is someone else (a TV, babble, a voice across the room, the bot's
+    own echo): it does not take the floor from the bot."""
+
+    BACKGROUND_DB = 8.0
+    """Sound this far under the caller's own level is background (the issue's: 10-20 dB)."""
+    KEPT = 5
+
+    levels: list[float] = field(default_factory=list)
+
+    def heard_turn(self, active_db: float) -> None:
+        """A turn of theirs, at ``active_db`` (``active_level_db`` of its audio)."""
+        if active_db > -120.0:
+            self.levels = [*self.levels[-(self.KEPT - 1) :], active_db]
+
+    @property
+    def level_db(self) -> float | None:
+        """The median of their last turns' levels (None before their first turn)."""
+        return float(np.median(self.levels)) if self.levels else None
+
+    def background(self, near: npt.NDArray[np.float64]) -> bool:
+        """``near`` is well under this caller's own level."""
+        level = self.level_db
+        return level is not None and active_level_db(near) < level - self.BACKGROUND_DB
+
+
 @runtime_checkable
 class SupportsInterruptionPolicy(Protocol):
     """A ``CallIO`` whose prompts can be told how readily to give way (the audio session;
@@ -146,11 +198,13 @@ class Verdict(StrEnum):
     SPEECH = "speech"
     ECHO = "echo"
     NOISE = "noise"
+    BACKGROUND = "background"
+    """A voice well under the caller's own level (``CallerLevel``): someone else."""
     QUIET = "quiet"
     """Nothing audible in the last 100 ms (a gap in the echo, the tail of a sound)."""
 
 
-NOT_SPEECH = frozenset({Verdict.ECHO, Verdict.NOISE})
+NOT_SPEECH = frozenset({Verdict.ECHO, Verdict.NOISE, Verdict.BACKGROUND})
 
 
 class Outcome(StrEnum):
@@ -162,6 +216,7 @@ class Outcome(StrEnum):
     BACKCHANNEL = "backchannel"
     ECHO = "echo"
     NOISE = "noise"
+    BACKGROUND = "background"
 
 
 @dataclass(slots=True)
@@ -202,6 +257,9 @@ class BargeInJudge:
 
     def __init__(self, reference: FarEndReference, history_s: float = 0.5) -> None:
         self.reference = reference
+        self.echo_path = EchoPath()
+        """This call's echo path, learned from sure echo checks (``EchoPath``)."""
+        self.caller_level = CallerLevel()
         self._near: deque[bytes] = deque(maxlen=round(history_s * RATE * 2 / FRAME_BYTES_PCM16))
         self._near_end = 0.0  # playout-clock time the newest pushed frame ended
         self._frames = 0
@@ -305,7 +363,9 @@ class BargeInJudge:
         frames = list(self._near)[-n:]
         return np.frombuffer(b"".join(frames), dtype="<i2").astype(np.float64)
 
-    def _echo(self, near: npt.NDArray[np.float64], policy: InterruptionPolicy) -> EchoCheck:
+    def _echo(self, near: npt.NDArray[np.float64], policy: InterruptionPolicy) -> bool:
+        """``near`` is the bot's own voice coming back: it correlates with what played, or
+        it is no louder than the echo this call's line has been giving (``EchoPath``)."""
         hint = self._echo_delay
         if hint is not None:
             around = check_echo(
@@ -313,11 +373,27 @@ class BargeInJudge:
                 min_delay=max(0.0, hint - ECHO_DELAY_SLACK_S), max_delay=hint + ECHO_DELAY_SLACK_S,
             )  # fmt: skip
             if around.is_echo(policy.echo_threshold):
-                return around
+                self._learn(around, near.size)
+                return True
         echo = check_echo(near, self._near_end, self.reference)
+        self._learn(echo, near.size)
         if echo.is_echo(policy.echo_threshold):
             self._echo_delay = echo.delay_s
-        return echo
+        explained = self.echo_path.explains(near, self._near_end, self.reference)
+        log.debug(
+            "barge_in.echo_check",
+            correlation=round(echo.correlation, 3),
+            delay_ms=round(echo.delay_s * 1000),
+            near_db=round(echo.near_db, 1),
+            far_db=round(echo.far_db, 1),
+            explained=explained,
+        )
+        return echo.is_echo(policy.echo_threshold) or explained
+
+    def _learn(self, check: EchoCheck, n: int) -> None:
+        if check.correlation >= EchoPath.CONFIDENT:
+            far_db = self.echo_path.far_level_at(check, n, self._near_end, self.reference)
+            self.echo_path.observe(check, far_db)
 
     def _check(
         self,
@@ -331,17 +407,10 @@ class BargeInJudge:
         near = self._recent()
         if level_db(near[-RATE // 10 :]) < QUIET_DB:
             return Verdict.QUIET
-        if self.bot_audible():
-            echo = self._echo(near, policy)
-            log.debug(
-                "barge_in.echo_check",
-                correlation=round(echo.correlation, 3),
-                delay_ms=round(echo.delay_s * 1000),
-                near_db=round(echo.near_db, 1),
-                far_db=round(echo.far_db, 1),
-            )
-            if echo.is_echo(policy.echo_threshold):
-                return Verdict.ECHO
+        if self.bot_audible() and self._echo(near, policy):
+            return Verdict.ECHO
+        if self.caller_level.background(near):
+            return Verdict.BACKGROUND
         if voiced_frames(near) > 0:
             # Before min_speech_ms an echo check may not have locked on yet: ``end`` decides.
             utterance.voiced = utterance.voiced or not early

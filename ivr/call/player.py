@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ivr.audio.codec import ulaw_to_pcm16
-from ivr.audio.echo import FarEndReference
+from ivr.audio.far_end import FarEndReference
 
 FRAME_BYTES = 160  # 20 ms of 8 kHz mu-law
 BYTES_PER_SECOND = 8000
@@ -95,6 +95,9 @@ def heard_prefix(text: str, fraction: float) -> str:
     return " ".join(kept)
 
 
+SAID_KEPT = 16
+"""Sentences remembered for ``said_since`` (a reply is a few)."""
+
 PHRASE_GAP_FRAMES = 8
 """A pause of 160 ms or more in the bot's audio: a sentence or clause boundary."""
 SILENT_POWER = (32768 * 10 ** (-45 / 20)) ** 2
@@ -158,6 +161,7 @@ class AudioPlayer:
         self._paused = False
         self.far_end = FarEndReference()
         """What the caller heard, on the playout clock: the reference for echo checks."""
+        self._said: deque[Segment] = deque(maxlen=SAID_KEPT)
 
     # -- producer side --------------------------------------------------------------------
 
@@ -169,7 +173,17 @@ class AudioPlayer:
         self._seq += 1
         segment = Segment(text=text, generation=self._generation, seq=self._seq)
         self._segments[segment.seq] = segment
+        self._said.append(segment)
         return segment
+
+    def said_since(self, since: float) -> str:
+        """The text of what began playing to the caller at or after ``since`` (playout clock),
+        or was still playing then: what their line could be echoing."""
+        return " ".join(
+            s.text
+            for s in self._said
+            if s.play_start is not None and s.play_start + s.duration + 1.0 >= since
+        )
 
     async def write(self, segment: Segment, ulaw: bytes) -> None:
         """Queue audio for ``segment``; waits while too much audio is already buffered."""

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
 import structlog
 
 from ivr import phrases
@@ -28,6 +29,7 @@ from ivr.audio.endpointer import (
     SpeechResumed,
     SpeechStarted,
 )
+from ivr.audio.levels import active_level_db
 from ivr.audio.resample import resample
 from ivr.call.interruptions import (
     DEFAULT_POLICY,
@@ -35,6 +37,7 @@ from ivr.call.interruptions import (
     InterruptionPolicy,
     Outcome,
     Verdict,
+    echoes_bot,
     words_of,
 )
 from ivr.call.io import (
@@ -79,6 +82,8 @@ a later answer no longer moves the end."""
 WORDS_WAIT_SLACK_MS = 150
 """A pause waiting for its words ends this long before the STT deadline: the turn's end, the
 STT worker and the re-ask's first frame all fit in it (a few ms each)."""
+ECHO_WINDOW_S = 0.6
+"""The longest echo delay a line gives (``BargeInJudge.bot_audible`` looks as far back)."""
 BACKCHANNEL_MAX_MS = 1200
 """Caller speech over a paused prompt longer than this is not transcribed at its pauses: a
 backchannel ("uh-huh", "okay", "I see") is shorter, and each early request costs one."""
@@ -200,6 +205,10 @@ class CallSession:
         self._last_utterance_over_bot = False
         self._last_utterance_ms = 0
         """How long the caller spoke in the utterance handed to STT last."""
+        self._last_utterance_level = -120.0
+        """Its active speech level (dBFS): the caller's own, if it turns out to be a turn."""
+        self._last_utterance_from = 0.0
+        """From when (our clock) what the bot said could be echoing in it."""
         self._pause_deadline: asyncio.TimerHandle | None = None
         self._early_verdict: asyncio.Task[None] | None = None
         """Transcribing the caller's words over a paused prompt at their first pause."""
@@ -800,10 +809,10 @@ class CallSession:
                 self._resume(Outcome.RESUMED, "")
             return True
         if judged is not None and judged.over_bot and not judged.voiced:
-            # Only ever echo, or a sound with no voice in it (a cough, a door, static): there
-            # are no words to transcribe (and STT would make some up); a paused prompt resumes.
-            echo = Verdict.ECHO in judged.verdicts and not judged.taken_for_speech
-            outcome = Outcome.ECHO if echo else Outcome.NOISE
+            # Only ever echo, someone in the background, or a sound with no voice in it (a
+            # cough, a door, static): no words of the caller's to transcribe (and STT would
+            # make some up); a paused prompt resumes.
+            outcome = _ignored_as(judged.verdicts, judged.taken_for_speech)
             if self._paused_speech is not None:
                 self._resume(outcome, "")
             else:
@@ -812,6 +821,13 @@ class CallSession:
             return True
         self._last_utterance_over_bot = judged is not None and judged.over_bot
         self._last_utterance_ms = event.speech_ms
+        self._last_utterance_level = active_level_db(
+            np.frombuffer(event.audio, dtype="<i2").astype(np.float64)
+        )
+        # On our clock: when it started, less the longest echo delay (what it could echo).
+        self._last_utterance_from = self._clock() - (
+            self._frame_end - event.t_start + ECHO_WINDOW_S
+        )
         if self._paused_speech is not None:  # its transcript decides; never wait forever
             self._cancel_pause_deadline()
             self._pause_deadline = asyncio.get_running_loop().call_later(
@@ -840,10 +856,19 @@ class CallSession:
         over_bot = self._last_utterance_over_bot
         self._last_utterance_over_bot = False
         bot_on = paused is not None or (over_bot and self._speech is not None)
+        if over_bot and isinstance(item, Utterance) and self._echoes_bot(item.text):
+            if bot_on:
+                self._resume(Outcome.ECHO, item.text)
+            else:  # the echo of the bot's last words, after it stopped: no one to answer
+                metrics.BARGE_INS.labels("speech", Outcome.ECHO.value).inc()
+                log.info("barge_in.ignored", outcome=Outcome.ECHO.value, by="words")
+            return
         if bot_on and isinstance(item, Utterance) and self._only_listening(paused, item.text):
             outcome = Outcome.BACKCHANNEL if words_of(item.text) else Outcome.RESUMED
             self._resume(outcome, item.text, self._last_utterance_ms)
             return
+        if isinstance(item, Utterance) and words_of(item.text):
+            self._judge.caller_level.heard_turn(self._last_utterance_level)
         self._put_input(item)
         if paused is not None:
             self._paused_speech = None
@@ -853,6 +878,11 @@ class CallSession:
             # Over before it could pause the bot (shorter than the node's min_speech_ms, say
             # "Stop."): the words decide now, as they would have after a pause.
             await self._barge_in("speech")
+
+    def _echoes_bot(self, text: str) -> bool:
+        """The words are the bot's own, from what played while the sound could echo it
+        (``echoes_bot``): an echo the audio checks let through."""
+        return echoes_bot(text, self._player.said_since(self._last_utterance_from))
 
     def _only_listening(self, paused: SpeechHandle | None, text: str) -> bool:
         """The caller's words over the bot do not take the floor: none, or only backchannel.
@@ -941,6 +971,15 @@ class CallSession:
 
     async def hangup(self) -> None:
         self._on_end(CallEnd(EndAction.HANGUP))
+
+
+def _ignored_as(verdicts: list[Verdict], taken_for_speech: bool) -> Outcome:
+    """What a sound over the bot that never proved to be the caller's voice was."""
+    if Verdict.ECHO in verdicts and not taken_for_speech:
+        return Outcome.ECHO
+    if Verdict.BACKGROUND in verdicts:
+        return Outcome.BACKGROUND
+    return Outcome.NOISE
 
 
 def _consume_result(task: asyncio.Task[str]) -> None:

@@ -156,7 +156,10 @@ PROTOCOL_REASONS = (
     "oversized_frame",
 )
 BARGE_IN_LABELS = (
-    *(("speech", o) for o in ("interrupted", "resumed", "backchannel", "echo", "noise")),
+    *(
+        ("speech", o)
+        for o in ("interrupted", "resumed", "backchannel", "echo", "noise", "background")
+    ),
     ("dtmf", "interrupted"),
     ("before_start", "interrupted"),
 )

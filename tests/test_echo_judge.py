@@ -165,3 +165,9 @@ def test_before_the_callers_first_turn_nothing_is_background(caller: np.ndarray)
 )
 def test_words_that_are_the_bots_own_are_its_echo(heard: str, expected: bool) -> None:
     assert echoes_bot(heard, BOT) is expected
+
+
+def test_on_a_line_not_known_to_echo_only_a_long_run_of_the_bots_words_is_its_echo() -> None:
+    assert not echoes_bot("Balance.", "Say balance.", line_echoes=False)
+    assert not echoes_bot("Saturdays we open", BOT, line_echoes=False)
+    assert echoes_bot("Saturdays we open at ten", BOT, line_echoes=False)

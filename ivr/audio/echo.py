@@ -124,7 +124,14 @@ class EchoPath:
     louder than their own echo by more than ``MARGIN_DB``."""
 
     CONFIDENT = 0.75
-    """A check this sure teaches the path."""
+    """A check this sure is an observation of the path."""
+    AGREEING = 3
+    """Observations within ``AGREE_S`` of each other's delay before the path is trusted: one
+    sure match can be a fluke (a caller's vowel that happens to match one of the bot's)."""
+    AGREE_S = 0.015
+    KEPT = 8
+    MIN_LOSS_DB = 3.0
+    """A line returns the bot quieter than it played; a "path" that does not is no echo."""
     MARGIN_DB = 6.0
     """Caller sound up to this much above the echo's predicted level is still the echo."""
     SLACK_S = 0.03
@@ -132,16 +139,22 @@ class EchoPath:
 
     delay_s: float | None = None
     return_loss_db: float | None = None
-    _losses: list[float] = field(default_factory=list)
+    _seen: list[tuple[float, float]] = field(default_factory=list)
+    """(delay, loss) of the last sure checks."""
 
     def observe(self, check: EchoCheck, far_at_delay_db: float) -> None:
-        """A check; if confident, its delay and the echo's return loss are learned (the
-        median of the last few, so a clipped moment does not move it much)."""
+        """A check; if sure, an observation: once ``AGREEING`` of the last few agree on the
+        delay, the path is theirs (the median loss, so a clipped moment moves it little)."""
         if check.correlation < self.CONFIDENT or far_at_delay_db <= SILENT_DB:
             return
-        self._losses = [*self._losses[-6:], far_at_delay_db - check.near_db]
-        self.return_loss_db = float(np.median(self._losses))
-        self.delay_s = check.delay_s
+        self._seen = [
+            *self._seen[-(self.KEPT - 1) :],
+            (check.delay_s, far_at_delay_db - check.near_db),
+        ]
+        delay = float(np.median([d for d, _ in self._seen]))
+        agreeing = [loss for d, loss in self._seen if abs(d - delay) <= self.AGREE_S]
+        if len(agreeing) >= self.AGREEING and np.median(agreeing) >= self.MIN_LOSS_DB:
+            self.delay_s, self.return_loss_db = delay, float(np.median(agreeing))
 
     def explains(
         self, near: npt.NDArray[np.float64], near_end: float, reference: FarEndReference

@@ -72,14 +72,18 @@ def words_of(text: str) -> list[str]:
 
 ECHO_WORDS_SHARE = 0.7
 """Of a transcript's words, this share found in order in what the bot just said: its echo."""
+ECHO_WORDS_ALONE = 4
+"""So many of the bot's words in a row are its echo even on a line not known to echo ("Say
+balance." - "Balance." is an answer, not an echo)."""
 
 
-def echoes_bot(text: str, bot_said: str) -> bool:
+def echoes_bot(text: str, bot_said: str, *, line_echoes: bool = True) -> bool:
     """``text`` (a transcript of caller sound) is the bot's own words coming back: most of
-    its words appear, in order, in ``bot_said``. An STT transcribes an echo that got past the
-    audio checks as the bot's words; answering them would be the bot answering itself."""
+    its words appear, in order, in ``bot_said`` (at least ``ECHO_WORDS_ALONE`` of them unless
+    the call's line is known to echo). An STT transcribes an echo that got past the audio
+    checks as the bot's words; answering them would be the bot answering itself."""
     heard, said = words_of(text), words_of(bot_said)
-    if not heard or not said:
+    if not heard or not said or (not line_echoes and len(heard) < ECHO_WORDS_ALONE):
         return False
     # Longest common subsequence, one row at a time: a few dozen words each way.
     row = [0] * (len(said) + 1)

@@ -10,6 +10,7 @@ speech plays interrupts that handle, which clears Twilio's buffer and keeps only
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ a later answer no longer moves the end."""
 WORDS_WAIT_SLACK_MS = 150
 """A pause waiting for its words ends this long before the STT deadline: the turn's end, the
 STT worker and the re-ask's first frame all fit in it (a few ms each)."""
+CLOCK_CREEP = 0.01
+"""How fast the stream-to-clock offset may grow (see ``on_media``): 10 ms a second."""
 ECHO_WINDOW_S = 0.6
 """The longest echo delay a line gives (``BargeInJudge.bot_audible`` looks as far back)."""
 BACKCHANNEL_MAX_MS = 1200
@@ -198,6 +201,8 @@ class CallSession:
         self._judge = BargeInJudge(player.far_end)
         self._frame_end = 0.0
         """Stream time the newest inbound frame ended."""
+        self._stream_to_clock = math.inf
+        """Our clock less Twilio's stream time, at the least-delayed frame so far."""
         self._policy = DEFAULT_POLICY
         """The interruption policy of the prompt playing (or last played)."""
         self._paused_speech: SpeechHandle | None = None
@@ -234,13 +239,18 @@ class CallSession:
         pcm = self._pcm_tail + decoded
         offset = 0
         frame_s = FRAME_BYTES_PCM16 / 16000
-        arrived = self._clock()
+        # Twilio's timestamps on our clock, for the echo check: the least lag seen lately is
+        # the line's own, so a frame we get to late (a busy loop) keeps its place in time. It
+        # may creep up by CLOCK_CREEP of the time passed: a sender whose clock runs slow.
+        tail_s = len(self._pcm_tail) / 16000
+        lag = self._clock() - stream_time + tail_s
+        creep = CLOCK_CREEP * (stream_time - self._frame_end) if self._frame_end else 0.0
+        self._stream_to_clock = min(self._stream_to_clock + max(0.0, creep), lag)
         while len(pcm) - offset >= FRAME_BYTES_PCM16:
             frame = pcm[offset : offset + FRAME_BYTES_PCM16]
-            t = stream_time + (offset / FRAME_BYTES_PCM16) * frame_s
+            t = stream_time + (offset / FRAME_BYTES_PCM16) * frame_s - tail_s
             offset += FRAME_BYTES_PCM16
-            # On the playout clock, for the echo check: this frame ended before the rest.
-            self._judge.push(frame, arrived - (len(pcm) - offset) / 16000)
+            self._judge.push(frame, t + frame_s + self._stream_to_clock)
             self._frame_end = t + frame_s
             event = await self._endpointer.push_async(frame, t)
             if event is not None:
@@ -882,7 +892,8 @@ class CallSession:
     def _echoes_bot(self, text: str) -> bool:
         """The words are the bot's own, from what played while the sound could echo it
         (``echoes_bot``): an echo the audio checks let through."""
-        return echoes_bot(text, self._player.said_since(self._last_utterance_from))
+        said = self._player.said_since(self._last_utterance_from)
+        return echoes_bot(text, said, line_echoes=self._judge.echo_path.delay_s is not None)
 
     def _only_listening(self, paused: SpeechHandle | None, text: str) -> bool:
         """The caller's words over the bot do not take the floor: none, or only backchannel.

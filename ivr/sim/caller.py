@@ -31,10 +31,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ivr.sim.callbacks import TwilioCallbacks
+from ivr.sim.echo import LineEcho, LineFrame, LineRecord
 from ivr.sim.playout import (
     FRAME_BYTES,
     SAMPLE_RATE,
     ULAW_SILENCE,
+    LinkDelay,
     Segment,
     TwilioPlayout,
     Violation,
@@ -122,26 +124,6 @@ def _noise_frames() -> list[bytes]:
     return [ulaw[i : i + FRAME_BYTES] for i in range(0, len(ulaw), FRAME_BYTES)]
 
 
-@dataclass(frozen=True, slots=True)
-class LineEcho:
-    """The caller's line carries the bot's own voice back (speakerphone, 2-wire hybrid): what
-    played ``delay_s`` ago, ``gain_db`` down, mixed into everything the caller sends."""
-
-    delay_s: float = 0.1
-    gain_db: float = -20.0
-
-    def mix(self, frame: bytes, playout: TwilioPlayout, frame_end: int) -> bytes:
-        """``frame`` (mu-law, ending at sample ``frame_end``) plus the delayed echo."""
-        delay = round(self.delay_s * SAMPLE_RATE)
-        echo = playout.played_audio(frame_end - len(frame) - delay, len(frame))
-        if echo.count(ULAW_SILENCE) == len(echo):
-            return frame
-        near = np.frombuffer(ulaw_decode(frame), dtype="<i2").astype(np.float64)
-        far = np.frombuffer(ulaw_decode(echo), dtype="<i2").astype(np.float64)
-        mixed = np.clip(near + far * 10 ** (self.gain_db / 20), -32768, 32767)
-        return ulaw_encode(mixed.astype("<i2").tobytes())
-
-
 # -- one call, across streams ---------------------------------------------------------------------
 
 
@@ -161,11 +143,21 @@ class _Line:
         comfort_noise: bool,
         echo: LineEcho | None = None,
         streaming: asyncio.Event | None = None,
+        *,
+        frame_clock: bool = False,
+        record: LineRecord | None = None,
+        link: LinkDelay | None = None,
     ) -> None:
         self.t0 = t0
         self.streaming = streaming or asyncio.Event()
         """Set once the first stream starts: the caller's audio is on its way."""
         self.echo = echo
+        self.frame_clock = frame_clock
+        """Twilio plays the bot on its 20 ms frame clock (see ``TwilioPlayout``)."""
+        self.record = record
+        """When set, every frame the line sends is kept here, with its parts."""
+        self.link = link
+        """When set, the gateway's messages reach the playout this much later."""
         self.mic = _Mic(comfort_noise)
         self.playouts: list[TwilioPlayout] = []
         self.caller_track: list[Segment] = []
@@ -241,7 +233,7 @@ class _Session:
         self.ids = ids
         self.stream = stream
         self.sid = "MZ" + secrets.token_hex(16)
-        self.playout = TwilioPlayout(self.sid, t0=line.t0)
+        self.playout = TwilioPlayout(self.sid, t0=line.t0, frame_clock=line.frame_clock)
         self._seq = 0
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -317,9 +309,14 @@ class _Session:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 frame, speech = self.line.mic.take()
-                if self.line.echo is not None:  # by the frame clock: an echo has no gaps
-                    end = round((origin + chunk * _FRAME_S - self.line.t0) * SAMPLE_RATE)
-                    frame = self.line.echo.mix(frame, self.playout, end)
+                # By the frame clock, not the send time: an echo has no gaps.
+                end = round((origin + chunk * _FRAME_S - self.line.t0) * SAMPLE_RATE)
+                parts = None
+                if self.line.echo is not None:
+                    parts = self.line.echo.mix_frame(frame, self.playout, end)
+                    frame = parts.ulaw
+                if self.line.record is not None:
+                    self.line.record.add(end - len(frame), parts or LineFrame.plain(frame), speech)
                 media = {
                     "track": "inbound",
                     "chunk": str(chunk),
@@ -333,9 +330,10 @@ class _Session:
                 self.line.mic.sent(t)
 
     async def _receive(self) -> None:
+        link = self.line.link.arrivals() if self.line.link is not None else None
         with contextlib.suppress(ConnectionClosed):
             async for raw in self.ws:
-                self.playout.receive(raw)
+                self.playout.receive(raw, None if link is None else link(time.monotonic()))
                 self._wake.set()
 
     async def _echo_marks(self) -> None:
@@ -434,12 +432,17 @@ async def place_call(
     echo: LineEcho | None = None,
     outbound: OutboundAnswer | None = None,
     call_status_url: str | None = None,
+    frame_clock: bool = False,
+    line_record: LineRecord | None = None,
+    link: LinkDelay | None = None,
 ) -> CallReport:
     """Place one inbound call at the gateway and run ``script`` on it, in real time.
 
     With ``rest_api`` the call belongs to its account and can be updated through it (a REST
     redirect ends the stream with ``stop`` and its TwiML takes over, as on Twilio). With
-    ``echo`` the line feeds the bot's own audio back, delayed and attenuated. With
+    ``echo`` the line feeds the bot's own audio back (``ivr.sim.echo``). ``frame_clock``: the
+    bot's audio plays on Twilio's 20 ms tick. ``line_record`` keeps what the line sent.
+    ``link``: the gateway's messages reach Twilio's playout that much later. With
     ``outbound`` this is the callee of a call the gateway placed: Twilio asks the call's
     ``Url`` (not the voice webhook) once the callee has picked up, and ``script`` is the callee.
     With ``call_status_url`` (the number's status callback, a public URL) Twilio reports the
@@ -458,7 +461,15 @@ async def place_call(
         first = _FirstRequest(outbound.url, "in-progress", outbound.method)
     ws_base = ws_base or http_base.replace("https://", "wss://").replace("http://", "ws://")
     report = CallReport(ids.call_sid, ids.account_sid)
-    line = _Line(time.monotonic(), comfort_noise, echo, outbound.streaming if outbound else None)
+    line = _Line(
+        time.monotonic(),
+        comfort_noise,
+        echo,
+        outbound.streaming if outbound else None,
+        frame_clock=frame_clock,
+        record=line_record,
+        link=link,
+    )
     if rest_api is not None:
         rest_api.add_call(ids.call_sid, from_=from_, to=to, control=line.on_rest_update)
         line.conference = rest_api.conference_host

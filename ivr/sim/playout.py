@@ -1,9 +1,11 @@
 """Twilio's outbound side of one bidirectional Media Stream: validate, queue, play, mark, clear.
 
 What the gateway sends is checked as strictly as Twilio does (exact fields, right ``streamSid``)
-and queued; playout runs at 8000 bytes/s from the moment audio arrives on an idle queue, by the
-clock, not by arrival. Every played byte is kept on a sample-indexed timeline, so the call's
-audio can be saved and the first played sample of each bot turn measured.
+and queued; playout runs at 8000 bytes/s by the clock, not by arrival: from the moment audio
+arrives on an idle queue or, with ``frame_clock``, from the next tick of the 20 ms frame clock
+Twilio plays on (audio arriving mid-frame waits for it). Every played byte is kept on a
+sample-indexed timeline, so the call's audio can be saved and the first played sample of each
+bot turn measured.
 
 The mu-law codec here is a separate numpy G.711 implementation on purpose: the gateway uses
 ``audioop``, and a test peer sharing its codec would share its bugs.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import time
 import wave
 from collections.abc import Callable, Sequence
@@ -51,6 +54,35 @@ def ulaw_decode(ulaw: bytes) -> bytes:
     mag = (((u & 0x0F) << 3) + _BIAS) << exponent
     x = np.where(u & 0x80, _BIAS - mag, mag - _BIAS)
     return x.astype("<i2").tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDelay:
+    """The network between the gateway and Twilio's media server: each outbound message
+    arrives ``base_s`` plus up to ``jitter_s`` (uniform, seeded) after the caller's side got
+    it, never before the one sent ahead of it (one TCP stream)."""
+
+    base_s: float = 0.0
+    jitter_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.base_s <= 1.0 and 0.0 <= self.jitter_s <= 1.0):
+            raise ValueError(
+                f"LinkDelay needs 0 <= base_s, jitter_s <= 1 s, got {self.base_s}, {self.jitter_s}"
+            )
+
+    def arrivals(self) -> Callable[[float], float]:
+        """For one stream: received time -> the time Twilio acts on the message."""
+        rng = np.random.default_rng(self.seed)
+        last = -math.inf
+
+        def arrive(received: float) -> float:
+            nonlocal last
+            last = max(last, received + self.base_s + float(rng.uniform(0.0, self.jitter_s)))
+            return last
+
+        return arrive
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +126,29 @@ class _PendingMark:
 
 
 class TwilioPlayout:
-    """The outbound buffer of one stream. Times are seconds on ``clock``; ``t0`` is sample 0."""
+    """The outbound buffer of one stream. Times are seconds on ``clock``; ``t0`` is sample 0.
+
+    ``frame_clock``: audio that finds the queue idle starts at the next 20 ms tick (ticks at
+    ``tick_phase + k * 160`` samples), as Twilio's media server plays it; otherwise at its
+    exact arrival sample.
+    """
 
     def __init__(
-        self, stream_sid: str, *, t0: float, clock: Callable[[], float] = time.monotonic
+        self,
+        stream_sid: str,
+        *,
+        t0: float,
+        clock: Callable[[], float] = time.monotonic,
+        frame_clock: bool = False,
+        tick_phase: int = 0,
     ) -> None:
+        if not 0 <= tick_phase < FRAME_BYTES:
+            raise ValueError(f"tick_phase must be within 0..{FRAME_BYTES - 1}, got {tick_phase}")
         self.stream_sid = stream_sid
         self.t0 = t0
         self._clock = clock
+        self._frame_clock = frame_clock
+        self._tick_phase = tick_phase
         self.segments: list[Segment] = []
         self.violations: list[Violation] = []
         self.clears: list[float] = []
@@ -194,6 +241,14 @@ class TwilioPlayout:
     def _sample(self, t: float) -> int:
         return max(0, round((t - self.t0) * SAMPLE_RATE))
 
+    def _play_from(self, now: float) -> int:
+        """Sample where audio arriving at ``now`` starts playing."""
+        if not self._frame_clock:
+            return max(self._sample(now), self._end)
+        exact = max(0.0, (now - self.t0) * SAMPLE_RATE) - self._tick_phase
+        tick = self._tick_phase + math.ceil(round(exact, 6) / FRAME_BYTES) * FRAME_BYTES
+        return max(tick, self._end)
+
     def _violate(self, now: float, code: str, reason: str, frame: str | bytes) -> None:
         text = frame if isinstance(frame, str) else repr(frame)
         self.violations.append(Violation(now, code, reason, text[:160]))
@@ -225,7 +280,7 @@ class TwilioPlayout:
             # Twilio plays it anyway; flagged because partial frames are a known stutter cause.
             reason = f"payload of {len(audio)} bytes is not a multiple of {FRAME_BYTES} (20 ms)"
             self._violate(now, "frame-size", reason, frame)
-        start = max(self._sample(now), self._end)
+        start = self._play_from(now)
         self.segments.append(Segment(now, start, audio))
         self._end = start + len(audio)
 

@@ -1,0 +1,124 @@
+"""The gateway's echo check alone, offline: what each impairment of a real line does to its
+correlation (issue 22). Seconds, not minutes: for iterating on ``ivr.audio.echo``.
+
+The bot's reply (piper at -23 dBFS, as ``bench/echo.py`` speaks it) plays on a simulated
+Twilio playout; the caller's line carries it back through ``ivr.sim.echo.LineEcho`` (100 ms,
+mu-law both ways), and the gateway's ``FarEndReference`` is filled the way its player fills
+it: in 40 ms chunks, each placed where the gateway thinks it started playing, which is off
+from where Twilio really started it by 0..``misplaced`` samples (a chunk sent to an idle
+queue: Twilio starts it on its next frame tick, or after the network's jitter). Every 20 ms
+the gateway's ``check_echo`` judges the caller's last 240 ms (skipping quiet ones, as
+``BargeInJudge`` does). Per row: the correlation's p10/p50/p90, the share of checks under the
+threshold (0.6; one of those while the bot talks pauses it), and the delay found.
+
+    .venv/bin/python bench/echo_check.py                 # every row (~20 s)
+    .venv/bin/python bench/echo_check.py --voice espeak
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ivr.audio.echo import check_echo
+from ivr.audio.far_end import FarEndReference
+from ivr.call.interruptions import DEFAULT_POLICY
+from ivr.sim.echo import LineEcho, level_dbfs
+from ivr.sim.playout import TwilioPlayout, ulaw_decode, ulaw_encode
+from ivr.testing.echo_call import Voices
+
+RATE = 8000
+CHUNK = 320  # 40 ms
+WINDOW = 1920  # the judge's 240 ms
+T0 = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    label: str
+    echo: LineEcho
+    misplaced: int = 0
+    """Each 40 ms chunk of the reference is off by 0..this many samples (uniform)."""
+
+
+ROWS = (
+    Row("exact copy, echo -43 dBFS (the issue)", LineEcho(0.1, -20.0)),
+    Row("exact copy, echo -33 dBFS", LineEcho(0.1, -10.0)),
+    *(Row(f"line noise {n} dBFS", LineEcho(0.1, -20.0, noise_dbfs=n)) for n in (-65, -55, -45)),
+    Row("line noise -55, echo -33 dBFS", LineEcho(0.1, -10.0, noise_dbfs=-55.0)),
+    Row("delay +1/4 sample", LineEcho(0.10003125, -20.0)),
+    Row("delay +1/2 sample", LineEcho(0.1000625, -20.0)),
+    Row("band-limited 300-3400 Hz", LineEcho(0.1, -20.0, band_limit=True)),
+    Row("clipped at -15 dBFS", LineEcho(0.1, -20.0, clip_dbfs=-15.0)),
+    *(Row(f"chunks misplaced 0..{k} samples", LineEcho(0.1, -20.0), k) for k in (1, 2, 8, 40)),
+    Row("phone: band, clip, noise -55", LineEcho(0.1, -20.0, True, -15.0, -55.0)),
+)
+
+
+def ulaw(x: np.ndarray) -> bytes:
+    return ulaw_encode(np.clip(np.rint(x), -32768, 32767).astype("<i2").tobytes())
+
+
+def measure(row: Row, bot: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(correlations, delays in ms) of every non-quiet check over the reply."""
+    rng = np.random.default_rng(seed)
+    played = ulaw(bot)
+    playout = TwilioPlayout("MZ1", t0=T0)
+    reference = FarEndReference(history_s=len(played) / RATE + 2)
+    for at in range(0, len(played), CHUNK):
+        chunk = played[at : at + CHUNK]
+        body = {"payload": base64.b64encode(chunk).decode()}
+        message = {"event": "media", "streamSid": "MZ1", "media": body}
+        playout.receive(json.dumps(message), now=T0 + at / RATE)  # back to back
+        off = int(rng.integers(0, row.misplaced + 1)) if row.misplaced else 0
+        reference.played(T0 + (at - off) / RATE, chunk)
+    silence = bytes([0xFF]) * 160
+    ends = range(160, len(played) + 2 * RATE, 160)
+    line = b"".join(row.echo.mix_frame(silence, playout, end).ulaw for end in ends)
+    near = np.frombuffer(ulaw_decode(line), dtype="<i2").astype(np.float64)
+    corr, delay = [], []
+    for end in range(WINDOW, near.size, 160):
+        window = near[end - WINDOW : end]
+        if level_dbfs(window[-RATE // 10 :]) < -50.0:  # the judge's QUIET
+            continue
+        check = check_echo(window, T0 + end / RATE, reference)
+        if check.far_db > -55.0:
+            corr.append(check.correlation)
+            delay.append(1000 * check.delay_s)
+    return np.array(corr), np.array(delay)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--voice", default="piper", choices=["piper", "espeak"])
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    voices = await Voices.render(args.voice)
+    pieces = [voices.bot.catalogue.audio_of(t) for t in voices.bot.catalogue.texts]
+    bot = np.concatenate([np.concatenate([p, np.zeros(RATE // 4)]) for p in pieces])
+    threshold = DEFAULT_POLICY.echo_threshold
+    print(
+        f"{args.voice} reply, {bot.size / RATE:.1f} s at -23 dBFS; echo 100 ms; "
+        f"threshold {threshold}"
+    )
+    print(
+        f"{'line':<40} {'checks':>6} {'corr p10':>8} {'p50':>5} {'p90':>5} {'< thr':>6} "
+        f"{'delay p50':>9}"
+    )
+    for row in ROWS:
+        corr, delay = measure(row, bot, args.seed)
+        p10, p50, p90 = np.percentile(corr, [10, 50, 90])
+        under = 100 * float(np.mean(corr < threshold))
+        print(
+            f"{row.label:<40} {corr.size:>6} {p10:>8.2f} {p50:>5.2f} {p90:>5.2f} "
+            f"{under:>5.0f}% {np.median(delay):>7.1f}ms"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -33,10 +33,10 @@ from ivr.call.turn_end import EndOfTurnDetector
 from ivr.call.warm import WarmTransfers
 from ivr.config import Settings
 from ivr.conversation import FlowConversation
-from ivr.engines.llm_server import OfflineLlm
 from ivr.engines.smart_turn import SmartTurnModel
 from ivr.flows.registry import FlowRegistry
 from ivr.llm.base import LanguageModel
+from ivr.llm.llama_local import OfflineLlm
 from ivr.obs import metrics
 from ivr.obs.loop_lag import LoopLagMonitor
 from ivr.providers import build_llm, build_stt, build_tts

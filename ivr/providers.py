@@ -47,7 +47,7 @@ def build_stt(settings: Settings) -> SpeechToText:
             stts.append(client(settings.stt_fallback_base_url, key, model, "openai_stt_fallback"))
         return ResilientStt(stts, RetryPolicy(limit, STT_MIN_ATTEMPT))
     _no_fallback("STT", settings.stt_fallback_base_url)
-    from ivr.engines.whisper_stt import LocalWhisperStt
+    from ivr.stt.whisper_local import LocalWhisperStt
 
     # Beam 5: 4 points fewer word errors than greedy for ~50 ms a sentence, which speculation
     # hides (bench/whisper_beam.py).
@@ -80,10 +80,10 @@ def build_tts(settings: Settings) -> TextToSpeech:
         return ResilientTts(ttss, RetryPolicy(s.tts_first_byte_timeout, TTS_MIN_ATTEMPT))
     _no_fallback("TTS", settings.tts_fallback_base_url)
     if settings.tts_provider == "espeak":
-        from ivr.engines.espeak_tts import LocalEspeakTts
+        from ivr.tts.espeak_local import LocalEspeakTts
 
         return LocalEspeakTts()
-    from ivr.engines.piper_tts import LocalPiperTts
+    from ivr.tts.piper_local import LocalPiperTts
 
     return LocalPiperTts()
 

@@ -14,10 +14,10 @@ import pytest_asyncio
 import soxr
 
 from ivr.call.turn_end import UNSURE_LAST_WORD
-from ivr.engines.espeak_tts import LocalEspeakTts, synthesize_pcm16
-from ivr.engines.piper_tts import LocalPiperTts, split_clauses
-from ivr.engines.whisper_stt import LocalWhisperStt
 from ivr.errors import ProviderError, ProviderTimeout
+from ivr.stt.whisper_local import LocalWhisperStt
+from ivr.tts.espeak_local import LocalEspeakTts, synthesize_pcm16
+from ivr.tts.piper_local import LocalPiperTts, split_clauses
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="module")]
 
@@ -125,7 +125,7 @@ async def test_whisper_keeps_its_words_when_scoring_them_fails(stt: LocalWhisper
     # ("hello there hello there ..."), which audio alone does not make it do repeatably.
     import ctranslate2
 
-    from ivr.engines.whisper_stt import _ScoresItsWords
+    from ivr.stt.whisper_local import _ScoresItsWords
 
     scored = stt._model.model  # the engine's own wrapped model, loaded by the fixture
     assert isinstance(scored, _ScoresItsWords)

@@ -42,11 +42,11 @@ from ivr.engines.smart_turn import (
     log_mel,
     model_input,
 )
-from ivr.engines.whisper_stt import last_word_probability
 from ivr.errors import ProviderError
 from ivr.flows.loader import check_flow_text, load_flow_text
 from ivr.flows.model import AgentNode, AskNode, MenuNode
 from ivr.flows.waits import listen_spec
+from ivr.stt.whisper_local import last_word_probability
 
 pytestmark = pytest.mark.engines
 

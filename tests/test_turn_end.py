@@ -342,7 +342,7 @@ def test_whisper_s_words_at_a_mid_sentence_pause_never_end_the_turn_early() -> N
     # change with every render.
     from ivr.audio.resample import resample
     from ivr.config import Settings
-    from ivr.providers import build_stt
+    from ivr.stt.build import build_stt
 
     tail = 2 * round(8000 * 0.14)  # the clips' 200 ms of pause -> 60 ms
     clips = [espeak_clip(paused_text(cut))[:-tail] for cut in PAUSED]

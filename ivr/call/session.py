@@ -63,7 +63,7 @@ from ivr.call.turn_end import (
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.errors import ProviderError, ProviderTimeout
 from ivr.obs import metrics
-from ivr.providers_resilience import turn_deadline
+from ivr.providers.resilience import turn_deadline
 from ivr.stt.base import SpeechToText
 from ivr.tts.base import TextToSpeech
 

@@ -290,6 +290,26 @@ async def test_a_retryable_failure_before_any_output_is_retried_once_and_counted
 
 
 @pytest.mark.parametrize("stage", ["stt", "llm", "tts"])
+async def test_a_first_output_limit_replaces_the_wrappers_budget_for_one_call(
+    srv: FakeOpenAIServer, stage: str
+) -> None:
+    srv.faults[ENDPOINT[stage]] = Fault(hang=True, times=10)
+    wrapper = resilient(stage, srv)  # POLICY: a 1.0 s budget
+    call = {
+        "stt": lambda: wrapper.transcribe(PCM, first_output_limit=0.3),
+        "tts": lambda: anext(wrapper.synthesize("Hello.", first_output_limit=0.3)),
+        "llm": lambda: anext(wrapper.stream_chat(USER, first_output_limit=0.3)),
+    }[stage]
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as info:
+        await call()
+    elapsed = time.monotonic() - started
+    await wrapper.aclose()
+    assert info.value.kind == Kind.TIMEOUT
+    assert 0.25 < elapsed < 0.3 + SLACK  # not the budget's 1.0 s
+
+
+@pytest.mark.parametrize("stage", ["stt", "llm", "tts"])
 @pytest.mark.parametrize(
     "fault",
     [Fault(status=400), Fault(raw=b"<html>", content_type="text/html"), Fault(status=401)],

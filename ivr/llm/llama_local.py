@@ -44,11 +44,16 @@ class OfflineLlm:
         tools: Sequence[ToolSpec] = (),
         json_schema: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        first_output_limit: float | None = None,
     ) -> AsyncIterator[LlmEvent]:
         if self._client is None:
             raise LocalLlmError("the offline model server has not been started")
         return self._client.stream_chat(
-            messages, tools=tools, json_schema=json_schema, max_tokens=max_tokens
+            messages,
+            tools=tools,
+            json_schema=json_schema,
+            max_tokens=max_tokens,
+            first_output_limit=first_output_limit,
         )
 
     async def aclose(self) -> None:

@@ -4,37 +4,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from ivr.llm.base import ChatMessage, LlmEvent, ToolSpec
+from ivr.llm.base import ChatMessage, LanguageModel, LlmEvent, ToolSpec
 from ivr.providers.resilience import RetryPolicy, check_providers, first_output
-
-
-class TimedLanguageModel(Protocol):
-    """A ``LanguageModel`` that takes a per-call first-token limit (``OpenAICompatLlm``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    def stream_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        json_schema: dict[str, Any] | None = None,
-        max_tokens: int | None = None,
-        first_output_limit: float | None = None,
-    ) -> AsyncIterator[LlmEvent]: ...
-    async def start(self) -> None: ...
-    async def aclose(self) -> None: ...
 
 
 class ResilientLlm:
     """``LanguageModel``: the primary, then the fallbacks, with retries, until the first event;
     never a retry after it."""
 
-    def __init__(self, providers: Sequence[TimedLanguageModel], policy: RetryPolicy) -> None:
+    def __init__(self, providers: Sequence[LanguageModel], policy: RetryPolicy) -> None:
         check_providers("llm", providers)
         self.providers = tuple(providers)
         self.policy = policy
@@ -48,8 +28,11 @@ class ResilientLlm:
         tools: Sequence[ToolSpec] = (),
         json_schema: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        first_output_limit: float | None = None,
     ) -> AsyncIterator[LlmEvent]:
-        def attempt(llm: TimedLanguageModel, limit: float) -> AsyncIterator[LlmEvent]:
+        """``first_output_limit`` replaces the policy's budget for this call."""
+
+        def attempt(llm: LanguageModel, limit: float) -> AsyncIterator[LlmEvent]:
             return llm.stream_chat(
                 messages,
                 tools=tools,
@@ -58,7 +41,8 @@ class ResilientLlm:
                 first_output_limit=limit,
             )
 
-        return first_output("llm", self.providers, attempt, self.policy)
+        policy = self.policy.limited(first_output_limit)
+        return first_output("llm", self.providers, attempt, policy)
 
     async def start(self) -> None:
         for provider in self.providers:

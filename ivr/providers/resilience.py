@@ -23,12 +23,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from ivr.errors import ConfigError, ProviderError, ProviderStatusError
+from ivr.errors import ConfigError, ProviderError, ProviderStatusError, ProviderTimeout
 from ivr.obs.metrics import count_provider_error
 
 log = structlog.get_logger("ivr.providers")
@@ -62,6 +62,12 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.budget <= 0 or self.min_attempt <= 0 or self.retries < 0:
             raise ValueError(f"RetryPolicy needs positive times and retries >= 0: {self}")
+
+    def limited(self, first_output_limit: float | None) -> RetryPolicy:
+        """This policy with ``first_output_limit`` (when given) as its budget."""
+        if first_output_limit is None:
+            return self
+        return replace(self, budget=first_output_limit)
 
     def reserve(self, later: int) -> float:
         """Time a provider leaves for the ``later`` fallbacks after it."""
@@ -151,6 +157,29 @@ async def aclose_stream(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+async def first_within(
+    provider: str, limit: float | None, stream: AsyncIterator[T]
+) -> AsyncIterator[T]:
+    """``stream``, whose first item must come within ``limit`` seconds (None: no limit), or
+    ``ProviderTimeout``: the first-output limit of an engine that has none of its own."""
+    try:
+        timer = asyncio.timeout(limit)
+        try:
+            async with timer:
+                first = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if limit is not None and timer.expired():
+                raise ProviderTimeout(provider, limit, phase="first output") from None
+            raise
+        yield first
+        async for item in stream:
+            yield item
+    finally:
+        await aclose_stream(stream)
 
 
 def check_providers(stage: str, providers: Sequence[Any], same: str | None = None) -> None:

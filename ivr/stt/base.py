@@ -25,10 +25,15 @@ class SpeechToText(Protocol):
     sample_rate: int
     """Rate (Hz) the engine wants; the gateway resamples whole utterances to it."""
 
-    async def transcribe(self, pcm16: bytes) -> Transcript:
+    async def transcribe(
+        self, pcm16: bytes, *, first_output_limit: float | None = None
+    ) -> Transcript:
         """Transcribe mono little-endian PCM16 at ``sample_rate``.
 
-        Raises ``ProviderError`` (or ``ProviderTimeout``) on failure.
+        ``first_output_limit``: seconds the answer may take this time, in place of the
+        provider's own limit (a retry or a fallback gets what is left of the stage's budget);
+        None keeps the provider's. Raises ``ProviderError`` (``ProviderTimeout`` past the
+        limit) on failure.
         """
         ...
 

@@ -16,11 +16,15 @@ class TextToSpeech(Protocol):
     voice: str
     """Voice id, part of the prompt-cache key."""
 
-    def synthesize(self, text: str) -> AsyncIterator[bytes]:
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]:
         """Yield mono little-endian PCM16 at ``sample_rate`` as soon as each piece is ready.
 
         Chunks hold whole samples (even byte counts). Cancelling the iteration stops the
-        engine's work. Raises ``ProviderError`` on failure.
+        engine's work. ``first_output_limit``: seconds the first audio may take this time, in
+        place of the provider's own first-byte limit; None keeps the provider's. Raises
+        ``ProviderError`` (``ProviderTimeout`` past a limit) on failure.
         """
         ...
 

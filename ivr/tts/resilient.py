@@ -4,32 +4,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
 
 from ivr.providers.resilience import RetryPolicy, check_providers, first_output
-
-
-class TimedTextToSpeech(Protocol):
-    """A ``TextToSpeech`` that takes a per-call first-byte limit (``OpenAIHttpTts``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def sample_rate(self) -> int: ...
-    @property
-    def voice(self) -> str: ...
-    def synthesize(
-        self, text: str, *, first_output_limit: float | None = None
-    ) -> AsyncIterator[bytes]: ...
-    async def warm(self) -> None: ...
-    async def aclose(self) -> None: ...
+from ivr.tts.base import TextToSpeech
 
 
 class ResilientTts:
     """``TextToSpeech``: the primary, then the fallbacks, with retries, until the first audio
     byte; never a retry after it (the caller may already be hearing the sentence)."""
 
-    def __init__(self, providers: Sequence[TimedTextToSpeech], policy: RetryPolicy) -> None:
+    def __init__(self, providers: Sequence[TextToSpeech], policy: RetryPolicy) -> None:
         check_providers("tts", providers, "sample_rate")
         self.providers = tuple(providers)
         self.policy = policy
@@ -37,11 +21,16 @@ class ResilientTts:
         self.sample_rate = providers[0].sample_rate
         self.voice = providers[0].voice
 
-    def synthesize(self, text: str) -> AsyncIterator[bytes]:
-        def attempt(tts: TimedTextToSpeech, limit: float) -> AsyncIterator[bytes]:
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """``first_output_limit`` replaces the policy's budget for this call."""
+
+        def attempt(tts: TextToSpeech, limit: float) -> AsyncIterator[bytes]:
             return tts.synthesize(text, first_output_limit=limit)
 
-        return first_output("tts", self.providers, attempt, self.policy)
+        policy = self.policy.limited(first_output_limit)
+        return first_output("tts", self.providers, attempt, policy)
 
     async def warm(self) -> None:
         for provider in self.providers:

@@ -12,20 +12,20 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ivr import phrases
-from ivr.call.connect import CallParams
-from ivr.call.endings import (
+from ivr.call.stream import handle_stream
+from ivr.console import console_router
+from ivr.control.connect import CallParams
+from ivr.control.endings import (
     CallAlreadyEnded,
     expect_stream,
     record_overflow,
     settle,
     when_twilio_ended,
 )
-from ivr.call.status_callbacks import status_callbacks_router
-from ivr.call.stream import handle_stream
-from ivr.call.tokens import valid_call_sid
-from ivr.call.warm_routes import warm_transfer_router
-from ivr.call.webhook_auth import signed_form
-from ivr.console import console_router
+from ivr.control.status_callbacks import status_callbacks_router
+from ivr.control.tokens import valid_call_sid
+from ivr.control.warm_routes import warm_transfer_router
+from ivr.control.webhook_auth import signed_form
 from ivr.gateway import Gateway
 from ivr.obs import metrics
 from ivr.outbound.routes import outbound_router
@@ -70,8 +70,9 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
         )
     )
     app.include_router(outbound_router(gateway))
-    app.include_router(warm_transfer_router(gateway.services))
-    app.include_router(status_callbacks_router(gateway.services))
+    services = gateway.services
+    app.include_router(warm_transfer_router(services.auth, services.warm))
+    app.include_router(status_callbacks_router(services.store, services.auth))
     app.include_router(_ops_routes(gateway))
     return app
 

@@ -22,16 +22,17 @@ from ivr.admission import Admission, DrainResult, drain
 from ivr.audio.endpointer import EndpointConfig, Endpointer
 from ivr.audio.gated_vad import GatedSileroVad, shared_pool
 from ivr.audio.vad import VoiceActivityDetector, WebRtcVad
-from ivr.call.connect import StreamConnector
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
-from ivr.call.services import CallServices, StreamAuth
+from ivr.call.services import CallServices
 from ivr.call.stream import StreamOutcome
-from ivr.call.sweeper import CallSweeper, Windows
-from ivr.call.tokens import StreamTokens
 from ivr.call.turn_end import EndOfTurnDetector
-from ivr.call.warm import WarmTransfers
 from ivr.config import Settings
+from ivr.control.connect import StreamConnector
+from ivr.control.sweeper import CallSweeper, Windows
+from ivr.control.tokens import StreamTokens
+from ivr.control.warm import WarmTransfers
+from ivr.control.webhook_auth import StreamAuth
 from ivr.conversation import FlowConversation
 from ivr.engines.smart_turn import SmartTurnModel
 from ivr.flows.registry import FlowRegistry

@@ -21,17 +21,17 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import Endpointer
-from ivr.call.connect import CallParams, record_from_start
-from ivr.call.endings import announce, settle
 from ivr.call.live import LiveCall
 from ivr.call.moves import MovedCallSession
 from ivr.call.player import AudioPlayer
 from ivr.call.services import CallServices
 from ivr.call.session import CallEnd, CallSession, EndAction
-from ivr.call.summary import log_summary
 from ivr.call.timeline import backchannel_spans
-from ivr.call.tokens import StreamClaims, TokenRefused, admit
 from ivr.call.turns import CallStats
+from ivr.control.connect import CallParams, record_from_start
+from ivr.control.endings import announce, settle
+from ivr.control.summary import log_summary
+from ivr.control.tokens import StreamClaims, TokenRefused, admit
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
 from ivr.recording.recorder import CallRecorder
@@ -337,7 +337,9 @@ async def _until_first_ends(
     end = outcome.end
     if finished is tasks.conversation and end is not None and end.action == EndAction.TRANSFER:
         if end.warm is not None and services.warm is not None:
-            outcome.held = await services.warm.hold(start.call_sid, end, tasks.receive)
+            outcome.held = await services.warm.hold(
+                start.call_sid, end.number, end.warm, tasks.receive
+            )
             outcome.redirected = outcome.held
         else:
             if end.warm is not None:
@@ -535,7 +537,7 @@ async def _finish(
     services: CallServices, start: Start, outcome: _Outcome
 ) -> tuple[CallRecord | None, bool]:
     """Store how the call left this stream and, when the call ended with it, settle how
-    (``ivr.call.endings``): the record as stored (None if not), and whether this stream
+    (``ivr.control.endings``): the record as stored (None if not), and whether this stream
     settled the call's ending (logged ``call.ended`` and counted it)."""
     if outcome.reason == StreamOutcome.SUPERSEDED:
         return None, False  # a newer stream owns the record now

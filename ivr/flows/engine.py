@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ivr import phrases
-from ivr.call.io import WarmTransfer
+from ivr.control.transfers import WarmTransfer
 from ivr.errors import FlowError
 from ivr.flows import argcheck, matching
 from ivr.flows.agent import AgentSteps

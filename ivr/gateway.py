@@ -25,9 +25,9 @@ from ivr.audio.vad import VoiceActivityDetector, WebRtcVad
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
 from ivr.call.services import CallServices
-from ivr.call.stream import StreamOutcome
 from ivr.call.turn_end import EndOfTurnDetector
 from ivr.config import Settings
+from ivr.control.after_stream import StreamOutcome
 from ivr.control.connect import StreamConnector
 from ivr.control.sweeper import CallSweeper, Windows
 from ivr.control.tokens import StreamTokens

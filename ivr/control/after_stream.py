@@ -1,33 +1,165 @@
 """What happens to a call after one of its streams ends.
 
-Twilio asks (the ``<Connect action>`` request) and the answer comes from the call's record:
-``<Dial>`` for a transfer, ``<Hangup/>`` when the flow or the caller ended it, or a new stream
-when the stream dropped without a decision to end (any instance may carry it). Resuming stops
-after ``MAX_STREAMS``: a stream that dies at once, a flow that crashes, must not loop forever.
-With Redis unreachable an instance may hold no record of the call: the action URL's query and
-Twilio's form say enough to resume it.
+The stream handler (``ivr.call.stream``) says how the call left it (``StreamEnd``): that is
+stored in the call's record and, when the call ended with the stream, its ending is settled
+(``ivr.control.endings``). Then Twilio asks (the ``<Connect action>`` request) and the answer
+comes from the record: ``<Dial>`` for a transfer, ``<Hangup/>`` when the flow or the caller
+ended it, or a new stream when the stream dropped without a decision to end (any instance may
+carry it). Resuming stops after ``MAX_STREAMS``: a stream that dies at once, a flow that
+crashes, must not loop forever. With Redis unreachable an instance may hold no record of the
+call: the action URL's query and Twilio's form say enough to resume it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any, Literal
 
 import structlog
 
 from ivr import phrases
 from ivr.control.connect import CallParams, StreamConnector
-from ivr.control.endings import CallAlreadyEnded, expect_stream, settle, when_twilio_ended
+from ivr.control.endings import (
+    CallAlreadyEnded,
+    announce,
+    expect_stream,
+    settle,
+    when_twilio_ended,
+)
+from ivr.control.summary import StreamStats
 from ivr.control.tokens import valid_call_sid
-from ivr.state.base import CallStore, StoreError, StoreUnavailable
+from ivr.state.base import (
+    CallRecord,
+    CallStatus,
+    CallStore,
+    StoreError,
+    StoreUnavailable,
+    StreamSuperseded,
+    fenced,
+)
 from ivr.state.outcomes import Outcome
 from ivr.telephony import twilio
 from ivr.telephony.dialing import is_dialable
 
-log = structlog.get_logger("ivr.app")  # the logger these lines have always come from
+log = structlog.get_logger("ivr.call")
 
 MAX_STREAMS = 4
 """The first stream plus three resumes (planned moves do not count)."""
+
+
+class StreamOutcome(StrEnum):
+    """Why a call left this stream (the ``reason`` label of ``ivr_streams_total``); how the
+    call itself ended is its ``Outcome`` (``_ending_of``)."""
+
+    STOP = "stop"
+    """Twilio sent ``stop``: the caller hung up (or a redirect completed)."""
+    DISCONNECT = "disconnect"
+    """The socket dropped without ``stop``: the call may resume on a new stream."""
+    HANGUP = "hangup"
+    TRANSFER = "transfer"
+    ERROR = "error"
+    """The flow failed: the call ends, it is never resumed into the same failure."""
+    SUPERSEDED = "superseded"
+    """A newer stream carries the call: this one must leave the record alone."""
+    MOVED = "moved"
+    """A draining instance redirected the call to a new stream (a planned move)."""
+
+
+_CALL_OVER: dict[StreamOutcome, tuple[Outcome, CallStatus]] = {
+    StreamOutcome.STOP: (Outcome.CALLER_HUNG_UP, CallStatus.ENDED),
+    StreamOutcome.HANGUP: (Outcome.FLOW_HUNG_UP, CallStatus.ENDED),
+    StreamOutcome.ERROR: (Outcome.FAILED, CallStatus.ENDED),
+    # The <Connect action> request answers <Dial> from the record (ended or not).
+    StreamOutcome.TRANSFER: (Outcome.TRANSFERRED_COLD, CallStatus.ENDED),
+}
+"""Stream ends after which no stream of this call follows (no resume): how the call ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a call left one of its streams, as its stream handler saw it."""
+
+    reason: StreamOutcome
+    action: Literal["hangup", "transfer"] | None = None
+    """What the flow decided (None: nothing)."""
+    number: str = ""
+    """The number to dial, for a transfer."""
+    held: bool = False
+    """A warm transfer put the caller on hold: the call may come back, so the record stays
+    open (the transfer's callbacks end it) and its transfer fields are the transfer's."""
+    redirected: bool = False
+    """Twilio took the call over through a REST update (transfer): our part of it is over."""
+    turns: Sequence[dict[str, Any]] = ()
+    """The stream's turns not yet stored."""
+    events: Sequence[dict[str, Any]] = ()
+    """The stream's timeline events not yet stored."""
+    stats: StreamStats | None = None
+    started: float | None = None
+    """Monotonic time the stream started."""
+
+    def ending(self) -> tuple[Outcome, CallStatus] | None:
+        """How the call ended, when it ended with this stream; None: it goes on (a resume, a
+        planned move, a warm transfer's hold) or a newer stream carries it."""
+        if self.held:
+            return None  # the transfer's callbacks end it, or the caller comes back
+        if self.redirected:
+            return Outcome.TRANSFERRED_COLD, CallStatus.TRANSFERRING  # Twilio has the call
+        if self.reason == StreamOutcome.TRANSFER and not is_dialable(self.number):
+            return Outcome.FAILED, CallStatus.ENDED  # the <Connect action> will not dial it
+        return _CALL_OVER.get(self.reason)
+
+    def mark(self, record: CallRecord) -> None:
+        """Write this end into ``record``: the stream's turns and events, and what the
+        ``<Connect action>`` will find (the flow's decision, or a stream to resume)."""
+        for turn in self.turns:
+            record.add_turn(turn)
+        record.add_events(list(self.events))
+        if record.is_ended:
+            return  # ended elsewhere first (Twilio's status callback): keep how
+        if self.action is not None and not self.held:  # held: the transfer owns these fields
+            record.end_action = self.action
+            record.transfer_to = self.number
+            transfer = self.action == "transfer"
+            record.status = CallStatus.TRANSFERRING if transfer else CallStatus.ENDED
+        elif self.reason in (StreamOutcome.DISCONNECT, StreamOutcome.MOVED):
+            # No `stop`: the socket dropped. Twilio will fetch the <Connect action> URL and
+            # any instance can resume the call from the store. Moved: a new stream takes it.
+            record.status = CallStatus.RECONNECTING
+
+
+async def record_stream_end(
+    store: CallStore, call_sid: str, stream_sid: str, end: StreamEnd
+) -> tuple[CallRecord | None, bool]:
+    """Store how the call left stream ``stream_sid`` and, when the call ended with it, settle
+    how: the record as stored (None if not), and whether this stream settled the call's ending
+    (logged ``call.ended`` and counted it). Never raises: the call is over either way."""
+    ending = end.ending()
+    try:
+        if ending is None:
+            return await store.update(call_sid, fenced(stream_sid, end.mark)), False
+        settled = await settle(
+            store,
+            call_sid,
+            ending[0],
+            by="stream",
+            status=ending[1],
+            also=fenced(stream_sid, end.mark),
+            stats=end.stats,
+            started=end.started,
+        )
+    except StreamSuperseded:
+        log.info("call.finish_skipped", reason="a newer stream carries the call")
+        return None, False
+    except Exception as exc:  # never fail teardown
+        log.error("call.finish_failed", error=repr(exc))
+        if ending is None:
+            return None, False
+        # Nothing else knows how it ended: say it here (Twilio's callback may say it again).
+        announce(None, ending[0], by="stream", stats=end.stats, started=end.started)
+        return None, True
+    return settled.record, settled.ours
 
 
 async def answer_after_stream(

@@ -21,7 +21,7 @@ from ivr.obs import metrics
 from ivr.state.base import CallExists, CallRecord, CallStore, StoreError
 from ivr.telephony import twilio
 
-log = structlog.get_logger("ivr.app")  # the logger these lines have always come from
+log = structlog.get_logger("ivr.webhook")
 
 XML = "application/xml"
 

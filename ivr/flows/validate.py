@@ -30,7 +30,6 @@ from ivr.flows.model import (
     SayNode,
     SetNode,
     SubflowNode,
-    TransferNode,
 )
 from ivr.flows.problems import Path_, Problem, SourceMap
 
@@ -56,46 +55,6 @@ _NOT_TEMPLATES = frozenset(
         "exit_when", "cases", "tools", "result", "idempotency_header", "hold_music",
     }
 )  # fmt: skip
-
-
-def edges(node: Node) -> Iterator[tuple[Path_, str]]:
-    """Every target a node can go to, with the path of the field naming it."""
-    if isinstance(node, SayNode | SetNode | GotoNode | SubflowNode) and node.next is not None:
-        yield ("next",), node.next
-    if isinstance(node, AskNode | MenuNode):
-        yield ("fallback",), node.fallback
-    if isinstance(node, AskNode):
-        for i, route in enumerate(node.routes):
-            yield ("routes", i, "next"), route.next
-        if node.next is not None:
-            yield ("next",), node.next
-    if isinstance(node, MenuNode):
-        for i, option in enumerate(node.options):
-            yield ("options", i, "next"), option.next
-    if isinstance(node, BranchNode):
-        for i, case in enumerate(node.cases):
-            yield ("cases", i, "next"), case.next
-        if node.default is not None:
-            yield ("default",), node.default
-    if isinstance(node, HttpNode):
-        for name in ("next", "on_error"):
-            if getattr(node, name) is not None:
-                yield (name,), getattr(node, name)
-    if isinstance(node, AgentNode):
-        yield from _agent_edges(node)
-    if isinstance(node, TransferNode) and node.fallback is not None:
-        yield ("fallback",), node.fallback  # a warm transfer the agent did not take
-
-
-def _agent_edges(node: AgentNode) -> Iterator[tuple[Path_, str]]:
-    for i, tool in enumerate(node.tools):
-        if tool.next is not None:
-            yield ("tools", i, "next"), tool.next
-    for i, case in enumerate(node.exit_when):
-        yield ("exit_when", i, "next"), case.next
-    for name in ("on_max_turns", "on_no_input", "on_error"):
-        if getattr(node, name) is not None:
-            yield (name,), getattr(node, name)
 
 
 def read_knowledge(
@@ -147,7 +106,7 @@ def _check_targets(flow: Flow, smap: SourceMap) -> list[Problem]:
         msg = _unknown_target(flow, flow.start, "in 'start'")
         problems.append(smap.problem(("start",), msg))
     for name, node in flow.nodes.items():
-        for path, target in edges(node):
+        for path, target, _ in node.targets():
             if target not in flow.nodes and target not in BUILTIN_TARGETS:
                 msg = _unknown_target(flow, target, f"in node '{name}'")
                 problems.append(smap.problem(("nodes", name, *path), msg))
@@ -233,21 +192,7 @@ def _check_agent(name: str, node: AgentNode, smap: SourceMap) -> list[Problem]:
 def known_variables(flow: Flow) -> set[str]:
     names = set(BUILTIN_VARIABLES) | set(flow.variables)
     for node in flow.nodes.values():
-        if isinstance(node, AskNode | MenuNode) and node.store:
-            names.add(node.store)
-        if isinstance(node, AskNode) and node.extract is not None:
-            names.update(node.extract.fields)
-        if isinstance(node, SetNode):
-            names.update(node.values)
-        if isinstance(node, SubflowNode):
-            names.update(node.return_)
-        if isinstance(node, HttpNode):
-            names.update(node.request.map)
-        if isinstance(node, AgentNode):
-            for tool in node.tools:
-                names.update(tool.set)
-                if tool.http is not None:
-                    names.update(tool.http.map)
+        names.update(node.variables_set())
     return names
 
 
@@ -338,14 +283,12 @@ def _walk_templates(
 
 def _condition_vars(flow: Flow) -> Iterator[tuple[Path_, str]]:
     for name, node in flow.nodes.items():
-        cases = node.cases if isinstance(node, BranchNode) else []
-        field = "cases"
-        if isinstance(node, AgentNode):
-            cases, field = node.exit_when, "exit_when"
-        for i, case in enumerate(cases):
-            for j, cond in enumerate(case.conditions):
-                sub: Path_ = ("when", j, "var") if isinstance(case.when, list) else ("when", "var")
-                yield ("nodes", name, field, i, *sub), cond.var
+        for field, cases in node.condition_lists():
+            for i, case in enumerate(cases):
+                listed = isinstance(case.when, list)
+                for j, cond in enumerate(case.conditions):
+                    at: Path_ = ("when", j, "var") if listed else ("when", "var")
+                    yield ("nodes", name, field, i, *at), cond.var
 
 
 # ---------------------------------------------------------------- graph
@@ -382,7 +325,7 @@ def reachable_nodes(flow: Flow) -> set[str]:
         node = flow.nodes.get(todo.pop())
         if node is None:
             continue
-        for _, target in edges(node):
+        for _, target, _ in node.targets():
             if target in flow.nodes and target not in seen:
                 seen.add(target)
                 todo.append(target)
@@ -413,7 +356,7 @@ def input_free_cycles(
 ) -> list[list[str]]:
     """Strongly connected groups of nodes that never wait for the caller (Tarjan)."""
     graph = {
-        name: [t for _, t in edges(node) if t in flow.nodes and not waits(flow.nodes[t])]
+        name: [t for _, t, _ in node.targets() if t in flow.nodes and not waits(flow.nodes[t])]
         for name, node in flow.nodes.items()
         if not waits(node)
     }

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ivr.flows import template
 from ivr.flows.model import (
@@ -116,21 +117,23 @@ def _check_targets(flow: Flow, smap: SourceMap) -> list[Problem]:
 def _check_nodes(flow: Flow, smap: SourceMap) -> list[Problem]:
     problems: list[Problem] = []
     for name, node in flow.nodes.items():
-        at = ("nodes", name)
-        if isinstance(node, AskNode | MenuNode) and not (node.speech or node.dtmf):
-            problems.append(smap.problem(at, f"node '{name}' accepts neither speech nor dtmf"))
-        if isinstance(node, AskNode):
-            problems += _check_ask(flow, name, node, smap)
-        if isinstance(node, MenuNode):
-            keys = [o.key for o in node.options]
-            for i, option in enumerate(node.options):
-                if keys.index(option.key) != i:
-                    msg = f"key '{option.key}' is used twice in menu '{name}'"
-                    problems.append(smap.problem((*at, "options", i, "key"), msg))
-        if isinstance(node, AgentNode):
-            problems += _check_agent(name, node, smap)
-        if isinstance(node, HttpNode):
-            problems += _check_http(node.request, (*at, "request"), smap)
+        problems += RULES[node.kind].check(flow, name, node, smap)
+    return problems
+
+
+def _check_input(flow: Flow, name: str, node: AskNode | MenuNode, smap: SourceMap) -> list[Problem]:
+    if node.speech or node.dtmf:
+        return []
+    return [smap.problem(("nodes", name), f"node '{name}' accepts neither speech nor dtmf")]
+
+
+def _check_menu(flow: Flow, name: str, node: MenuNode, smap: SourceMap) -> list[Problem]:
+    problems = _check_input(flow, name, node, smap)
+    keys = [o.key for o in node.options]
+    for i, option in enumerate(node.options):
+        if keys.index(option.key) != i:
+            msg = f"key '{option.key}' is used twice in menu '{name}'"
+            problems.append(smap.problem(("nodes", name, "options", i, "key"), msg))
     return problems
 
 
@@ -151,7 +154,7 @@ def _check_http(call: HttpCall, at: Path_, smap: SourceMap) -> list[Problem]:
 
 
 def _check_ask(flow: Flow, name: str, node: AskNode, smap: SourceMap) -> list[Problem]:
-    problems = []
+    problems = _check_input(flow, name, node, smap)
     for i, route in enumerate(node.routes):
         if route.intent is not None and route.intent not in flow.intents:
             known = ", ".join(sorted(flow.intents)) or "none declared"
@@ -251,20 +254,32 @@ def _template_strings(
     nodes = data.get("nodes", {})
     for name, raw in nodes.items():
         node = flow.nodes[name]
-        if isinstance(node, SubflowNode):  # only the values given to the sub-flow are templates
-            for key, value in raw.get("pass", {}).items():
-                yield from _walk_templates(value, ("nodes", name, "pass", str(key)), None)
-            continue
-        yield from _walk_templates(raw, ("nodes", name), None)
-        if isinstance(node, AgentNode):
-            for i, tool in enumerate(node.tools):
-                args = set(tool.parameters.get("properties", {}))
-                raw_tool = raw["tools"][i]
-                for part in ("set", "http"):
-                    if part in raw_tool:
-                        yield from _walk_templates(
-                            raw_tool[part], ("nodes", name, "tools", i, part), args
-                        )
+        yield from RULES[node.kind].templates(node, raw, ("nodes", name))
+
+
+Templates = Iterator[tuple[Path_, str, set[str] | None]]
+
+
+def _all_templates(node: Any, raw: dict[str, Any], at: Path_) -> Templates:
+    """Every string of the node is a template (names, phrases and schemas aside)."""
+    return _walk_templates(raw, at, None)
+
+
+def _subflow_templates(node: SubflowNode, raw: dict[str, Any], at: Path_) -> Templates:
+    """Only the values given to the sub-flow are templates."""
+    for key, value in raw.get("pass", {}).items():
+        yield from _walk_templates(value, (*at, "pass", str(key)), None)
+
+
+def _agent_templates(node: AgentNode, raw: dict[str, Any], at: Path_) -> Templates:
+    """A tool's ``set`` and ``http`` may also read the tool's arguments (``args.NAME``)."""
+    yield from _walk_templates(raw, at, None)
+    for i, tool in enumerate(node.tools):
+        args = set(tool.parameters.get("properties", {}))
+        raw_tool = raw["tools"][i]
+        for part in ("set", "http"):
+            if part in raw_tool:
+                yield from _walk_templates(raw_tool[part], (*at, "tools", i, part), args)
 
 
 def _walk_templates(
@@ -304,7 +319,7 @@ def _check_graph(flow: Flow, smap: SourceMap) -> list[Problem]:
             msg = f"node '{name}' is unreachable from start '{flow.start}'; link to it or delete it"
             problems.append(smap.problem(("nodes", name), msg, key=True))
     for name, node in flow.nodes.items():
-        reason = _dead_end(node)
+        reason = RULES[node.kind].dead_end(node)
         if reason:
             problems.append(
                 smap.problem(("nodes", name), f"node '{name}' is a dead end: {reason}", key=True)
@@ -332,18 +347,28 @@ def reachable_nodes(flow: Flow) -> set[str]:
     return seen
 
 
-def _dead_end(node: Node) -> str:
-    if isinstance(node, SayNode | SetNode | GotoNode) and node.next is None:
-        return "add 'next:' (or end the call with a hangup node)"
-    if isinstance(node, SubflowNode) and node.next is None:
-        return "add 'next:' (where to continue when the sub-flow returns)"
-    if isinstance(node, HttpNode) and (node.next is None or node.on_error is None):
+def _needs_next(node: SayNode | SetNode | GotoNode) -> str:
+    return "" if node.next is not None else "add 'next:' (or end the call with a hangup node)"
+
+
+def _subflow_dead_end(node: SubflowNode) -> str:
+    if node.next is not None:
+        return ""
+    return "add 'next:' (where to continue when the sub-flow returns)"
+
+
+def _http_dead_end(node: HttpNode) -> str:
+    if node.next is None or node.on_error is None:
         return "an http node needs both 'next:' and 'on_error:'"
-    if isinstance(node, BranchNode) and node.default is None:
-        return "add 'default:' for when no case matches"
-    if isinstance(node, AskNode) and node.next is None and not node.routes:
-        return "add 'routes:' or 'next:'"
     return ""
+
+
+def _branch_dead_end(node: BranchNode) -> str:
+    return "add 'default:' for when no case matches" if node.default is None else ""
+
+
+def _ask_dead_end(node: AskNode) -> str:
+    return "add 'routes:' or 'next:'" if node.next is None and not node.routes else ""
 
 
 def waits_for_caller(node: Node) -> bool:
@@ -388,3 +413,51 @@ def input_free_cycles(
         if name not in index:
             visit(name)
     return cycles
+
+
+# ---------------------------------------------------------------- per kind
+
+N = TypeVar("N")
+
+
+def _no_problems(flow: Flow, name: str, node: Any, smap: SourceMap) -> list[Problem]:
+    return []
+
+
+def _never_stuck(node: Any) -> str:
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rules(Generic[N]):
+    """What is checked of a node of one kind, beyond the shape pydantic checks."""
+
+    check: Callable[[Flow, str, N, SourceMap], list[Problem]] = _no_problems
+    """Its own problems (unknown intents, duplicate keys, ...)."""
+    dead_end: Callable[[N], str] = _never_stuck
+    """Why the call would get stuck at it ("" when it cannot)."""
+    templates: Callable[[N, dict[str, Any], Path_], Templates] = _all_templates
+    """Its template strings as written: (path, text, tool-argument names or None)."""
+
+
+RULES: dict[str, Rules[Any]] = {
+    "say": Rules(dead_end=_needs_next),
+    "ask": Rules(_check_ask, _ask_dead_end),
+    "menu": Rules(_check_menu),
+    "agent": Rules(
+        lambda flow, name, node, smap: _check_agent(name, node, smap),
+        templates=_agent_templates,
+    ),
+    "branch": Rules(dead_end=_branch_dead_end),
+    "set": Rules(dead_end=_needs_next),
+    "http": Rules(
+        lambda flow, name, node, smap: _check_http(node.request, ("nodes", name, "request"), smap),
+        _http_dead_end,
+    ),
+    "transfer": Rules(),
+    "hangup": Rules(),
+    "goto": Rules(dead_end=_needs_next),
+    "subflow": Rules(dead_end=_subflow_dead_end, templates=_subflow_templates),
+    "return": Rules(),
+}
+"""The checks of each node kind, by ``kind``."""

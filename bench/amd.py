@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from amd_fixtures import CALLEES, callee_audio
 
 from ivr.audio.amd import AnsweringMachineDetector
-from ivr.call.answer import AnswerWatch
+from ivr.control.answer import AnswerWatch
 from ivr.obs.logging import configure_logging
 
 BATCH = 320 * 5

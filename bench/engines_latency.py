@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import soxr
 
-from ivr.engines.espeak_tts import LocalEspeakTts
-from ivr.engines.piper_tts import LocalPiperTts
-from ivr.engines.whisper_stt import LocalWhisperStt
+from ivr.stt.whisper_local import LocalWhisperStt
 from ivr.tts.base import TextToSpeech
+from ivr.tts.espeak_local import LocalEspeakTts
+from ivr.tts.piper_local import LocalPiperTts
 
 REPLY = (
     "Your current balance is one hundred twenty three dollars and forty five cents. "

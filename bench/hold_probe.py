@@ -43,9 +43,9 @@ from ivr.audio.endpointer import EndpointConfig, Endpointer, SpeechEnded
 from ivr.audio.resample import resample
 from ivr.audio.vad import SileroVad
 from ivr.call.interruptions import DEFAULT_POLICY
-from ivr.engines.espeak_tts import synthesize_pcm16
-from ivr.engines.whisper_stt import LocalWhisperStt
+from ivr.stt.whisper_local import LocalWhisperStt
 from ivr.testing.audio import piper_voice
+from ivr.tts.espeak_local import synthesize_pcm16
 
 BACKCHANNELS = (*BENCH_BACKCHANNELS, "right", "sure", "got it", "oh okay")
 INTERRUPTIONS = tuple(

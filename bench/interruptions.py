@@ -63,7 +63,6 @@ import soxr
 import structlog
 
 from ivr.config import Settings
-from ivr.engines.espeak_tts import synthesize_pcm16
 from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.server import RunningServer, running_server
@@ -74,6 +73,7 @@ from ivr.sim.script import script_from_data
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.audio import KnownSpeech
 from ivr.testing.openai_server import FakeOpenAIServer, Fault
+from ivr.tts.espeak_local import synthesize_pcm16
 from ivr.tts.openai_http import OpenAIHttpTts
 
 AUTH_TOKEN = "bench-auth-token"

@@ -73,8 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gateway_harness import API_KEY, AUTH_TOKEN, PUBLIC_URL, providers_process
 from redis_cluster import Node, SentinelProcesses
 
-from ivr.call.summary import percentile
 from ivr.config import Settings
+from ivr.control.summary import percentile
 from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.server import RunningServer, running_server

@@ -110,7 +110,7 @@ def cost(runs: int, threads: int, pauses_per_min: float) -> None:
 
 
 async def _transcripts(clips: list[bytes]) -> list[str]:
-    from ivr.engines.whisper_stt import LocalWhisperStt
+    from ivr.stt.whisper_local import LocalWhisperStt
 
     stt = LocalWhisperStt()
     await stt.warm()

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from turn_fixtures import COMPLETE, PAUSED, espeak_clip, paused_text, piper_clips
 
 from ivr.audio.resample import resample
-from ivr.call.summary import percentile
 from ivr.call.turn_end import UNSURE_LAST_WORD
+from ivr.control.summary import percentile
 from ivr.demo import DEMO_STEPS, DEMO_VOCABULARY
-from ivr.engines.whisper_stt import LocalWhisperStt
+from ivr.stt.whisper_local import LocalWhisperStt
 
 SHORT_ANSWERS = ("Yes.", "No, thank you.", "Two.")
 TAIL_TO_60_MS = 2 * round(8000 * 0.14)  # the fixtures' 200 ms of pause -> 60 ms

@@ -22,7 +22,7 @@ _E164 = re.compile(r"\+[1-9]\d{6,14}")  # as ivr.telephony.dialing (a room above
 #   STT answer      1.5  [Whisper on Groq/OpenAI 0.2-0.8 s]  0.3 + 1.5             = 1.8 s
 #   LLM first token 1.2  [Cerebras 0.1-0.4, HF router 0.3-0.6] 0.3 + 0.4 + 1.2     = 1.9 s
 #   TTS first byte  1.0  [OpenAI tts-1 0.2-0.5 s]            0.3 + 0.4 + 0.3 + 1.0 = 2.0 s
-# Retries and fallbacks fit inside these same limits (ivr/providers_resilience.py). A stream
+# Retries and fallbacks fit inside these same limits (ivr/providers/resilience.py). A stream
 # quiet for STALL (1.0 s; token and audio gaps are normally tens of ms) is dead: the caller has
 # heard what came before, and the apology follows within a second. Totals only stop runaways.
 # The offline engines share two CPU cores with everything else, so they keep generous limits.
@@ -37,6 +37,13 @@ CLOUD_HEARD_WITHIN = 1.5
 # Stream tokens carry their expiry in wall-clock time, checked on whichever instance the stream
 # reaches: a call ends for want of a stream only this long after the last token could connect.
 CLOCK_SKEW_S = 5.0
+
+# Provider names (IVR_STT_PROVIDER, IVR_TTS_PROVIDER), built by each kind's room (ivr/stt/build.py,
+# ivr/tts/build.py). A name not listed offline is a cloud provider, with cloud limits.
+SttProviderName = Literal["local", "openai"]
+TtsProviderName = Literal["piper", "espeak", "openai"]
+OFFLINE_STT: frozenset[str] = frozenset({"local"})
+OFFLINE_TTS: frozenset[str] = frozenset({"piper", "espeak"})
 
 
 class Settings(BaseSettings):
@@ -79,7 +86,7 @@ class Settings(BaseSettings):
     llm_fallback_model: str = ""
     """Empty: the primary's model name."""
 
-    stt_provider: Literal["local", "openai"] = "local"
+    stt_provider: SttProviderName = "local"
     stt_base_url: str = "https://api.openai.com/v1"
     stt_api_key: str = ""
     stt_model: str = "whisper-1"
@@ -92,7 +99,7 @@ class Settings(BaseSettings):
     # to the decoder as its initial prompt; it fixes many misheard short answers.
     stt_prompt: str = ""
 
-    tts_provider: Literal["piper", "espeak", "openai"] = "piper"
+    tts_provider: TtsProviderName = "piper"
     tts_base_url: str = "https://api.openai.com/v1"
     tts_api_key: str = ""
     tts_model: str = "tts-1"
@@ -246,7 +253,7 @@ class Settings(BaseSettings):
         """IVR_STT_TIMEOUT, or the default for the configured engine."""
         if self.stt_timeout is not None:
             return self.stt_timeout
-        return CLOUD_STT if self.stt_provider == "openai" else LOCAL_STT
+        return LOCAL_STT if self.stt_provider in OFFLINE_STT else CLOUD_STT
 
     @property
     def llm_first_token_limit(self) -> float:
@@ -267,7 +274,7 @@ class Settings(BaseSettings):
         """IVR_HEARD_WITHIN_MS in seconds, or the cloud default; None when off."""
         if self.heard_within_ms is not None:
             return self.heard_within_ms / 1000 or None
-        cloud = self.stt_provider == "openai" and self.tts_provider == "openai"
+        cloud = self.stt_provider not in OFFLINE_STT and self.tts_provider not in OFFLINE_TTS
         return CLOUD_HEARD_WITHIN if cloud and not self.use_local_llm else None
 
     @property

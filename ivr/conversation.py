@@ -24,10 +24,10 @@ import httpx
 import structlog
 
 from ivr import phrases
-from ivr.call.answer import ANSWER_TIMEOUT, BEEP_TIMEOUT, AnswerBoard, watching_answer
 from ivr.call.io import CallIO
 from ivr.call.prompts import PromptCache
 from ivr.call.session import CallSession
+from ivr.control.answer import ANSWER_TIMEOUT, BEEP_TIMEOUT, AnswerBoard, watching_answer
 from ivr.flows.events import FlowState
 from ivr.flows.model import Flow
 from ivr.flows.privacy import stored_state

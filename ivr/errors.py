@@ -18,8 +18,8 @@ IvrError
     PAYLOAD  an answer we cannot use: not JSON, wrong shape, null fields not retryable
     ENGINE   an offline engine failed: missing package, crash            not retryable
 
-The OpenAI-compatible adapters translate every httpx / openai-SDK / JSON / attribute error
-into one of these (``ivr.openai_calls.provider_error``), chained with ``raise ... from exc``.
+The OpenAI-compatible adapters translate every httpx / openai-SDK / JSON / attribute error into
+one of these (``ivr.providers.openai_http.provider_error``), chained with ``raise ... from exc``.
 """
 
 from __future__ import annotations

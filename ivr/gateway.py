@@ -22,24 +22,24 @@ from ivr.admission import Admission, DrainResult, drain
 from ivr.audio.endpointer import EndpointConfig, Endpointer
 from ivr.audio.gated_vad import GatedSileroVad, shared_pool
 from ivr.audio.vad import VoiceActivityDetector, WebRtcVad
-from ivr.call.connect import StreamConnector
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
-from ivr.call.services import CallServices, StreamAuth
-from ivr.call.stream import StreamOutcome
-from ivr.call.sweeper import CallSweeper, Windows
-from ivr.call.tokens import StreamTokens
+from ivr.call.services import CallServices
 from ivr.call.turn_end import EndOfTurnDetector
-from ivr.call.warm import WarmTransfers
 from ivr.config import Settings
+from ivr.control.after_stream import StreamOutcome
+from ivr.control.connect import StreamConnector
+from ivr.control.sweeper import CallSweeper, Windows
+from ivr.control.tokens import StreamTokens
+from ivr.control.warm import WarmTransfers
+from ivr.control.webhook_auth import StreamAuth
 from ivr.conversation import FlowConversation
-from ivr.engines.llm_server import OfflineLlm
 from ivr.engines.smart_turn import SmartTurnModel
 from ivr.flows.registry import FlowRegistry
 from ivr.llm.base import LanguageModel
+from ivr.llm.build import configured_llm
 from ivr.obs import metrics
 from ivr.obs.loop_lag import LoopLagMonitor
-from ivr.providers import build_llm, build_stt, build_tts
 from ivr.recording import recordings_from_settings
 from ivr.state.base import CallStore
 from ivr.state.memory import MemoryCallStore
@@ -47,9 +47,11 @@ from ivr.state.outcomes import Outcome
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore
 from ivr.stt.base import SpeechToText
+from ivr.stt.build import build_stt
 from ivr.telephony.rest import TwilioRest, rest_from_settings
 from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
+from ivr.tts.build import build_tts
 
 log = structlog.get_logger("ivr.gateway")
 
@@ -189,7 +191,7 @@ def build_gateway(
     store = build_store(settings, settings.instance_id)
     stt = stt or build_stt(settings)
     tts = tts or build_tts(settings)
-    llm = llm or _configured_llm(settings)
+    llm = llm or configured_llm(settings)
     prompts = PromptCache()
     flow_http = httpx.AsyncClient(timeout=FLOW_HTTP_TIMEOUT)
     registry = FlowRegistry(settings.flows_dir)
@@ -306,21 +308,6 @@ def endpointer_factory(settings: Settings) -> Callable[[], Endpointer]:
         return WebRtcVad(settings.vad_mode)
 
     return lambda: Endpointer(new_vad(), config)
-
-
-def _configured_llm(settings: Settings) -> LanguageModel:
-    if not settings.use_local_llm:
-        return build_llm(
-            settings,
-            base_url=settings.llm_base_url,
-            api_key=settings.llm_api_key,
-            model=settings.llm_model,
-        )
-    return OfflineLlm(
-        lambda base_url, api_key, model: build_llm(
-            settings, base_url=base_url, api_key=api_key, model=model
-        )
-    )
 
 
 def _stream_auth(settings: Settings) -> StreamAuth:

@@ -28,8 +28,8 @@ from prometheus_client import REGISTRY
 from redis_server import LOCAL_REDIS_URL
 from structlog.testing import capture_logs
 
-from ivr.call.sweeper import CallSweeper, Windows
 from ivr.config import CLOCK_SKEW_S
+from ivr.control.sweeper import CallSweeper, Windows
 from ivr.server import RunningServer
 from ivr.state.base import CallRecord, CallStatus, CallStore
 from ivr.state.outcomes import Outcome

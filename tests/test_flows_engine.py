@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
+from typing import get_args
 
 import pytest
 
-from ivr.flows.engine import FlowRuntimeError, new_state, step
+from ivr.flows.engine import STEPS, FlowRuntimeError, new_state, step
 from ivr.flows.events import (
     AgentTurn,
     CallerHungUp,
@@ -30,8 +31,9 @@ from ivr.flows.events import (
 )
 from ivr.flows.loader import load_flow_text
 from ivr.flows.matching import holds, spoken_digits, spoken_key
-from ivr.flows.model import Condition, Flow
+from ivr.flows.model import Condition, Flow, Node
 from ivr.flows.template import references, render
+from ivr.flows.validate import RULES
 
 FLOW = load_flow_text(
     """
@@ -371,3 +373,11 @@ def test_words_after_a_reply_the_caller_heard_part_of_are_a_turn_of_their_own() 
     turn = actions[-1]
     assert isinstance(turn, AgentTurn)
     assert [m.content for m in turn.messages[-2:]] == ["Noon in Paris.", "Thanks."]
+
+
+def test_every_node_kind_has_its_steps_and_its_checks() -> None:
+    models = get_args(get_args(Node)[0])
+    kinds = {get_args(m.model_fields["kind"].annotation)[0] for m in models}
+    assert len(kinds) == len(models) == 12
+    assert set(STEPS) == kinds
+    assert set(RULES) == kinds

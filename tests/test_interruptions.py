@@ -34,7 +34,6 @@ from ivr.call.interruptions import (
 )
 from ivr.call.player import AudioPlayer, phrase_start
 from ivr.call.timeline import backchannel_spans
-from ivr.engines.espeak_tts import synthesize_pcm16
 from ivr.flows.loader import load_flow_text
 from ivr.flows.problems import FlowLoadError
 from ivr.flows.runner import FlowRunner
@@ -47,6 +46,7 @@ from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
 from ivr.testing.audio import KnownSpeech, voiced_seconds
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
+from ivr.tts.espeak_local import synthesize_pcm16
 
 
 def phone(pcm16: bytes) -> np.ndarray:

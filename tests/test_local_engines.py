@@ -14,10 +14,10 @@ import pytest_asyncio
 import soxr
 
 from ivr.call.turn_end import UNSURE_LAST_WORD
-from ivr.engines.espeak_tts import LocalEspeakTts, synthesize_pcm16
-from ivr.engines.piper_tts import LocalPiperTts, split_clauses
-from ivr.engines.whisper_stt import LocalWhisperStt
 from ivr.errors import ProviderError, ProviderTimeout
+from ivr.stt.whisper_local import LocalWhisperStt
+from ivr.tts.espeak_local import LocalEspeakTts, synthesize_pcm16
+from ivr.tts.piper_local import LocalPiperTts, split_clauses
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="module")]
 
@@ -125,7 +125,7 @@ async def test_whisper_keeps_its_words_when_scoring_them_fails(stt: LocalWhisper
     # ("hello there hello there ..."), which audio alone does not make it do repeatably.
     import ctranslate2
 
-    from ivr.engines.whisper_stt import _ScoresItsWords
+    from ivr.stt.whisper_local import _ScoresItsWords
 
     scored = stt._model.model  # the engine's own wrapped model, loaded by the fixture
     assert isinstance(scored, _ScoresItsWords)
@@ -248,3 +248,26 @@ async def test_espeak_rejects_an_unknown_voice_by_name() -> None:
     tts = LocalEspeakTts(voice="no-such-voice")
     with pytest.raises(ProviderError, match="unknown espeak voice 'no-such-voice'"):
         await collect(tts.synthesize("hello"))
+
+
+async def test_a_first_output_limit_bounds_each_offline_engine_for_one_call(
+    stt: LocalWhisperStt, piper: LocalPiperTts
+) -> None:
+    pcm, rate = synthesize_pcm16("Please connect me to an agent.")
+    with pytest.raises(ProviderTimeout) as heard:
+        await stt.transcribe(phone_channel(pcm, rate), first_output_limit=0.001)
+    espeak = LocalEspeakTts()
+    for tts in (piper, espeak):
+        with pytest.raises(ProviderTimeout) as said:
+            await collect(tts.synthesize(THREE_CLAUSES, first_output_limit=0.001))
+        assert (said.value.provider, said.value.seconds) == (tts.name, 0.001)
+    assert (heard.value.provider, heard.value.seconds) == ("whisper_local", 0.001)
+    # One call's limit, not the engine's: the next call has the engine's own.
+    assert "agent" in words((await stt.transcribe(phone_channel(pcm, rate))).text)
+    assert await collect(piper.synthesize("Hello.", first_output_limit=30.0))
+    assert await collect(espeak.synthesize("Hello."))
+    for _ in range(150):
+        if not piper.rendering:
+            break
+        await asyncio.sleep(0.02)
+    assert not piper.rendering  # the timed-out render did not go on in the background

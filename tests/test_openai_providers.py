@@ -627,7 +627,7 @@ def test_a_hanging_handler_does_not_block_shutdown():
 
 def test_thinking_is_switched_off_only_where_the_api_accepts_it() -> None:
     from ivr.config import Settings
-    from ivr.providers import build_llm
+    from ivr.llm.build import build_llm
 
     settings = Settings(llm_api_key="k")
     for url, expected in [

@@ -12,27 +12,28 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from prometheus_client import REGISTRY
 
-from ivr.config import Settings
+from ivr.config import Settings, SttProviderName, TtsProviderName
 from ivr.errors import ConfigError, ProviderError, ProviderErrorKind, ProviderStatusError
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta
+from ivr.llm.build import build_llm
 from ivr.llm.openai_compat import OpenAICompatLlm
-from ivr.openai_calls import StageLimits, retry_after
-from ivr.providers import build_llm, build_stt, build_tts
-from ivr.providers_resilience import (
-    ResilientLlm,
-    ResilientStt,
-    ResilientTts,
-    RetryPolicy,
-    turn_deadline,
-)
+from ivr.llm.resilient import ResilientLlm
+from ivr.providers.openai_http import StageLimits, retry_after
+from ivr.providers.resilience import RetryPolicy, turn_deadline
+from ivr.stt.build import BUILDERS as stt_builders
+from ivr.stt.build import build_stt
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.stt.resilient import ResilientStt
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault, sse_body
+from ivr.tts.build import BUILDERS as tts_builders
+from ivr.tts.build import build_tts
 from ivr.tts.openai_http import OpenAIHttpTts
+from ivr.tts.resilient import ResilientTts
 
 KEY = "sk-faults"
 FIRST = 0.5  # first-output limit of every adapter here (STT: the whole answer)
@@ -289,6 +290,26 @@ async def test_a_retryable_failure_before_any_output_is_retried_once_and_counted
 
 
 @pytest.mark.parametrize("stage", ["stt", "llm", "tts"])
+async def test_a_first_output_limit_replaces_the_wrappers_budget_for_one_call(
+    srv: FakeOpenAIServer, stage: str
+) -> None:
+    srv.faults[ENDPOINT[stage]] = Fault(hang=True, times=10)
+    wrapper = resilient(stage, srv)  # POLICY: a 1.0 s budget
+    call = {
+        "stt": lambda: wrapper.transcribe(PCM, first_output_limit=0.3),
+        "tts": lambda: anext(wrapper.synthesize("Hello.", first_output_limit=0.3)),
+        "llm": lambda: anext(wrapper.stream_chat(USER, first_output_limit=0.3)),
+    }[stage]
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as info:
+        await call()
+    elapsed = time.monotonic() - started
+    await wrapper.aclose()
+    assert info.value.kind == Kind.TIMEOUT
+    assert 0.25 < elapsed < 0.3 + SLACK  # not the budget's 1.0 s
+
+
+@pytest.mark.parametrize("stage", ["stt", "llm", "tts"])
 @pytest.mark.parametrize(
     "fault",
     [Fault(status=400), Fault(raw=b"<html>", content_type="text/html"), Fault(status=401)],
@@ -519,6 +540,14 @@ def test_the_limits_and_fallbacks_come_from_ivr_settings(monkeypatch: pytest.Mon
     assert [p.model for p in llm.providers] == ["m", "google/gemma-4-31B-it:cerebras"]
     assert llm.providers[1].limits == StageLimits(1.4, 0.9, 20.0)
     assert llm.providers[1].request_params(USER)["extra_body"] == {"reasoning_effort": "none"}
+
+
+def test_every_provider_name_the_settings_take_has_a_builder() -> None:
+    assert set(get_args(SttProviderName)) == set(stt_builders)
+    assert set(get_args(TtsProviderName)) == set(tts_builders)
+    built = {name: build_stt(Settings(_env_file=None, stt_provider=name)).name  # type: ignore[call-arg]
+             for name in stt_builders}  # fmt: skip
+    assert built == {"local": "whisper_local", "openai": "openai_stt"}
 
 
 def test_a_fallback_for_an_offline_engine_is_refused_at_startup() -> None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis_server import RedisServer
 
-from ivr.call.tokens import StreamTokens, TokenRefused, admit, derive_key, issue
+from ivr.control.tokens import StreamTokens, TokenRefused, admit, derive_key, issue
 from ivr.state.memory import MemoryCallStore
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore

@@ -42,11 +42,11 @@ from ivr.engines.smart_turn import (
     log_mel,
     model_input,
 )
-from ivr.engines.whisper_stt import last_word_probability
 from ivr.errors import ProviderError
 from ivr.flows.loader import check_flow_text, load_flow_text
 from ivr.flows.model import AgentNode, AskNode, MenuNode
 from ivr.flows.waits import listen_spec
+from ivr.stt.whisper_local import last_word_probability
 
 pytestmark = pytest.mark.engines
 
@@ -342,7 +342,7 @@ def test_whisper_s_words_at_a_mid_sentence_pause_never_end_the_turn_early() -> N
     # change with every render.
     from ivr.audio.resample import resample
     from ivr.config import Settings
-    from ivr.providers import build_stt
+    from ivr.stt.build import build_stt
 
     tail = 2 * round(8000 * 0.14)  # the clips' 200 ms of pause -> 60 ms
     clips = [espeak_clip(paused_text(cut))[:-tail] for cut in PAUSED]

@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 from twilio.request_validator import RequestValidator
 
-from ivr.call.io import WarmTransfer
-from ivr.call.warm_summary import INSTRUCTIONS, write_summary
+from ivr.control.transfers import WarmTransfer
+from ivr.control.warm_summary import INSTRUCTIONS, write_summary
 from ivr.flows.loader import check_flow_text
 from ivr.flowtools.audio_test import fast_speak, speech_seconds
 from ivr.llm.openai_compat import OpenAICompatLlm

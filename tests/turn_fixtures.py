@@ -80,7 +80,7 @@ def _piper_key(text: str) -> str:
 
 
 async def _piper_22k(texts: list[str]) -> list[bytes]:
-    from ivr.engines.piper_tts import LocalPiperTts
+    from ivr.tts.piper_local import LocalPiperTts
 
     tts = LocalPiperTts()
     try:

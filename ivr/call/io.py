@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ivr.call.turn_end import TurnPolicy
+from ivr.control.transfers import WarmTransfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +43,6 @@ class ListenSpec:
     """Seconds after a key press before the collected digits are returned."""
     turn: TurnPolicy = field(default_factory=TurnPolicy)
     """How long a pause ends the caller's spoken turn (``ivr.call.turn_end``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class WarmTransfer:
-    """How to hand the caller to a person: held in a conference while the agent is dialled and
-    hears ``summary`` (or one the LLM writes from ``conversation``), then joined."""
-
-    summary: str
-    """The rendered summary template: what the agent hears if no LLM summary is asked for or
-    it fails."""
-    summarize: bool = False
-    conversation: tuple[tuple[str, str], ...] = ()
-    """(role, text) of the conversation as the caller heard it, for the LLM summary."""
-    hold_music: str | None = None
-    """The conference ``waitUrl``: None is Twilio's default music, "" silence."""
-    ring_timeout: int = 20
 
 
 @dataclass(frozen=True, slots=True)

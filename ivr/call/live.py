@@ -9,8 +9,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from ivr.call.connect import CallParams
 from ivr.call.session import CallSession
+from ivr.control.connect import CallParams
 
 
 @dataclass(eq=False, slots=True)

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from ivr.call.connect import StreamConnector
-from ivr.call.io import CallerInput, ListenSpec, Spoken, WarmTransfer
+from ivr.call.io import CallerInput, ListenSpec, Spoken
 from ivr.call.live import LiveCall
 from ivr.call.session import CallSession
+from ivr.control.connect import StreamConnector
+from ivr.control.transfers import WarmTransfer
 from ivr.telephony.rest import TwilioRest
 
 log = structlog.get_logger("ivr.call")

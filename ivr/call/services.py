@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ivr.audio.endpointer import Endpointer
-from ivr.call.connect import StreamConnector
 from ivr.call.io import CallIO
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
-from ivr.call.tokens import StreamTokens
 from ivr.call.turn_end import EndOfTurnDetector
-from ivr.call.warm import WarmTransfers
+from ivr.control.connect import StreamConnector
+from ivr.control.tokens import StreamTokens
+from ivr.control.warm import WarmTransfers
+from ivr.control.webhook_auth import StreamAuth
 from ivr.recording.service import Recordings
 from ivr.state.base import CallRecord, CallStore
 from ivr.stt.base import SpeechToText
 from ivr.telephony.rest import TwilioRest
-from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
 
 
@@ -33,20 +33,6 @@ class Conversation(Protocol):
     async def run(self, io: CallIO, record: CallRecord) -> None:
         """Drive the call through ``io`` until the flow ends; ``record`` is as last stored."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class StreamAuth:
-    """Who may open a media stream."""
-
-    signatures: SignatureChecker | None
-    """Checks ``X-Twilio-Signature``; None when no auth token is configured."""
-    allow_unsigned: bool = False
-    """Development only: with no auth token, accept unsigned streams instead of refusing."""
-
-    @property
-    def accepts_unsigned(self) -> bool:
-        return self.signatures is None and self.allow_unsigned
 
 
 @dataclass(frozen=True, slots=True)

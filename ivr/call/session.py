@@ -49,7 +49,6 @@ from ivr.call.io import (
     NoInput,
     Spoken,
     Utterance,
-    WarmTransfer,
 )
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
@@ -65,9 +64,10 @@ from ivr.call.turn_end import (
     text_completeness,
 )
 from ivr.call.turns import CallStats, TurnTimings
+from ivr.control.transfers import WarmTransfer
 from ivr.errors import ProviderError, ProviderTimeout
 from ivr.obs import metrics
-from ivr.providers_resilience import turn_deadline
+from ivr.providers.resilience import turn_deadline
 from ivr.stt.base import SpeechToText
 from ivr.tts.base import TextToSpeech
 

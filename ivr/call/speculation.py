@@ -62,13 +62,20 @@ class SpeculativeSpeech:
             "tts", lambda: self.inner.synthesize(text), spacing=PREFETCH_READ_EVERY_S
         )
 
-    def synthesize(self, text: str) -> AsyncIterator[bytes]:
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The prefetched sentence (it keeps the limits it started with), else a new one."""
+
+        def live() -> AsyncIterator[bytes]:
+            return self.inner.synthesize(text, first_output_limit=first_output_limit)
+
         prefetched = self._prefetched.pop(text, None)
         if prefetched is not None:
             if not prefetched.failed_early:
-                return prefetched.adopt(lambda: self.inner.synthesize(text))
+                return prefetched.adopt(live)
             prefetched.discard()
-        return self.inner.synthesize(text)
+        return live()
 
     def discard(self) -> None:
         for prefetched in self._prefetched.values():

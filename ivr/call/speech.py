@@ -30,7 +30,7 @@ from ivr.call.sentences import SentenceChunker
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.errors import ProviderError
 from ivr.obs import metrics
-from ivr.providers_resilience import turn_deadline
+from ivr.providers.resilience import turn_deadline
 from ivr.tts.base import TextToSpeech
 
 log = structlog.get_logger("ivr.call")

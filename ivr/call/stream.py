@@ -1,10 +1,11 @@
 """One Media Streams WebSocket, from handshake to teardown.
 
-The handshake is refused (close 1008, which Twilio sees as a 403) unless the signature over the
-``wss://`` URL is valid and the per-call token in the path was minted by a webhook for the same
-CallSid that ``start`` names. Then four tasks share the call, all owned here: the receive loop,
-the paced sender, the STT worker and the conversation (flow runner). Whichever ends the call
-first (``stop``, a dropped socket, the flow hanging up) cancels the rest.
+Call control admits the stream (``ivr.control.handshake``: signature, token) and, at the end,
+takes how the call left it (``ivr.control.after_stream``) and any transfer or hang-up over REST
+(``ivr.control.redirects``, ``ivr.control.warm``). In between four tasks share the call, all
+owned here: the receive loop, the paced sender, the STT worker and the conversation (flow
+runner). Whichever ends the call first (``stop``, a dropped socket, the flow hanging up) cancels
+the rest.
 """
 
 from __future__ import annotations
@@ -13,25 +14,24 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import structlog
-from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import Endpointer
-from ivr.call.connect import CallParams, record_from_start
-from ivr.call.endings import announce, settle
 from ivr.call.live import LiveCall
 from ivr.call.moves import MovedCallSession
 from ivr.call.player import AudioPlayer
 from ivr.call.services import CallServices
 from ivr.call.session import CallEnd, CallSession, EndAction
-from ivr.call.summary import log_summary
 from ivr.call.timeline import backchannel_spans
-from ivr.call.tokens import StreamClaims, TokenRefused, admit
 from ivr.call.turns import CallStats
+from ivr.control.after_stream import StreamEnd, StreamOutcome, record_stream_end
+from ivr.control.connect import CallParams, record_from_start
+from ivr.control.handshake import POLICY_VIOLATION, authorise_stream
+from ivr.control.redirects import hang_up_without_store, store_degraded, transfer_by_rest
+from ivr.control.summary import log_summary
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
 from ivr.recording.recorder import CallRecorder
@@ -40,55 +40,15 @@ from ivr.state.base import (
     CallNotFound,
     CallRecord,
     CallStatus,
-    StoreError,
     StoreUnavailable,
     StreamSuperseded,
-    fenced,
 )
-from ivr.state.outcomes import Outcome
-from ivr.state.resilient import statistics_of
 from ivr.telephony import twilio
-from ivr.telephony.dialing import is_dialable
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
 log = structlog.get_logger("ivr.stream")
 
 START_TIMEOUT = 10.0
-# After a REST redirect Twilio sends `stop` within moments; past this we close the WS ourselves.
-REDIRECT_STOP_TIMEOUT = 5.0
-# A call this instance carried without the shared store (Redis away, record rebuilt from
-# `start`) ends by keeping the line open until the caller hangs up, for at most this long: the
-# <Connect action> request may land on an instance that cannot know the flow hung up.
-HANGUP_HOLD_SECONDS = 20.0
-POLICY_VIOLATION = 1008
-
-
-class StreamOutcome(StrEnum):
-    """Why a call left this stream (the ``reason`` label of ``ivr_streams_total``); how the
-    call itself ended is its ``Outcome`` (``_ending_of``)."""
-
-    STOP = "stop"
-    """Twilio sent ``stop``: the caller hung up (or a redirect completed)."""
-    DISCONNECT = "disconnect"
-    """The socket dropped without ``stop``: the call may resume on a new stream."""
-    HANGUP = "hangup"
-    TRANSFER = "transfer"
-    ERROR = "error"
-    """The flow failed: the call ends, it is never resumed into the same failure."""
-    SUPERSEDED = "superseded"
-    """A newer stream carries the call: this one must leave the record alone."""
-    MOVED = "moved"
-    """A draining instance redirected the call to a new stream (a planned move)."""
-
-
-_CALL_OVER: dict[StreamOutcome, tuple[Outcome, CallStatus]] = {
-    StreamOutcome.STOP: (Outcome.CALLER_HUNG_UP, CallStatus.ENDED),
-    StreamOutcome.HANGUP: (Outcome.FLOW_HUNG_UP, CallStatus.ENDED),
-    StreamOutcome.ERROR: (Outcome.FAILED, CallStatus.ENDED),
-    # The <Connect action> request answers <Dial> from the record (ended or not).
-    StreamOutcome.TRANSFER: (Outcome.TRANSFERRED_COLD, CallStatus.ENDED),
-}
-"""Stream ends after which no stream of this call follows (no resume): how the call ended."""
 
 
 @dataclass(slots=True)
@@ -113,16 +73,21 @@ class _Outcome:
     def stats(self) -> CallStats | None:
         return self.session.stats if self.session is not None else None
 
-    def ending(self) -> tuple[Outcome, CallStatus] | None:
-        """How the call ended, when it ended with this stream; None: it goes on (a resume, a
-        planned move, a warm transfer's hold) or a newer stream carries it."""
-        if self.held:
-            return None  # the transfer's callbacks end it, or the caller comes back
-        if self.redirected:
-            return Outcome.TRANSFERRED_COLD, CallStatus.TRANSFERRING  # Twilio has the call
-        if self.reason == StreamOutcome.TRANSFER and not _dialable(self.end):
-            return Outcome.FAILED, CallStatus.ENDED  # the <Connect action> will not dial it
-        return _CALL_OVER.get(self.reason)
+    def stream_end(self) -> StreamEnd:
+        """How the call left this stream, for the record (the stream's unsaved turns and
+        timeline events are handed over: each once)."""
+        session, end = self.session, self.end
+        return StreamEnd(
+            reason=self.reason,
+            action=end.action.value if end is not None else None,
+            number=end.number if end is not None else "",
+            held=self.held,
+            redirected=self.redirected,
+            turns=session.unsaved_turns() if session is not None else [],
+            events=session.timeline.drain() if session is not None else [],
+            stats=self.stats,
+            started=self.started,
+        )
 
 
 @dataclass(slots=True)
@@ -137,7 +102,14 @@ class _CallTasks:
 
 
 async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> None:
-    claims = await _authorise(ws, token, services)
+    claims = await authorise_stream(
+        ws,
+        token,
+        auth=services.auth,
+        tokens=services.tokens,
+        store=services.store,
+        draining=services.live.draining,
+    )
     if claims is None:
         return
     with services.live.socket_open():  # a drain waits for the close, not just the session
@@ -182,34 +154,6 @@ async def _serve_accepted(
                     final=False,
                     started=outcome.started,
                 )
-
-
-async def _authorise(ws: WebSocket, token: str, services: CallServices) -> StreamClaims | None:
-    signatures = services.auth.signatures
-    if signatures is not None:
-        signature = ws.headers.get("x-twilio-signature", "")
-        if not signatures.check_stream(ws.url.path, signature):
-            log.warning("stream.bad_signature", url=signatures.stream_url(ws.url.path))
-            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
-            await ws.close(POLICY_VIOLATION)
-            return None
-    elif not services.auth.accepts_unsigned:
-        await ws.close(POLICY_VIOLATION)
-        return None
-    if services.live.draining:
-        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
-        log.info("stream.refused_draining")
-        await ws.send_denial_response(Response("draining", status_code=503))
-        return None
-    try:
-        return await admit(services.tokens, services.store, token)
-    except TokenRefused as exc:
-        log.warning("stream.token_refused", reason=exc.reason, detail=str(exc))
-        metrics.PROTOCOL_ERRORS.labels(exc.reason).inc()
-    except StoreError as exc:  # not StoreUnavailable (the store degrades instead): a bug
-        log.error("stream.token_store_failed", error=repr(exc))
-    await ws.close(POLICY_VIOLATION)
-    return None
 
 
 async def _wait_for_start(ws: WebSocket) -> Start:
@@ -337,22 +281,25 @@ async def _until_first_ends(
     end = outcome.end
     if finished is tasks.conversation and end is not None and end.action == EndAction.TRANSFER:
         if end.warm is not None and services.warm is not None:
-            outcome.held = await services.warm.hold(start.call_sid, end, tasks.receive)
+            outcome.held = await services.warm.hold(
+                start.call_sid, end.number, end.warm, tasks.receive
+            )
             outcome.redirected = outcome.held
         else:
             if end.warm is not None:
                 log.warning("call.warm_transfer_made_cold", reason="no Twilio REST credentials")
-            outcome.redirected = await _transfer_by_rest(
-                services, start.call_sid, end, tasks.receive
+            # One REST client per gateway: transfers reuse its connection.
+            outcome.redirected = await transfer_by_rest(
+                services.rest, services.store, start.call_sid, end.number, tasks.receive
             )
         if not outcome.redirected and _ended_by_stop(tasks.receive):
             outcome.reason = StreamOutcome.STOP  # the caller hung up during the handoff
     elif (
         finished is tasks.conversation
         and outcome.reason == StreamOutcome.HANGUP
-        and (outcome.rebuilt or _store_degraded(services.store))
+        and (outcome.rebuilt or store_degraded(services.store))
     ):
-        await _hang_up_without_store(services, start.call_sid, tasks.receive)
+        await hang_up_without_store(services.rest, start.call_sid, tasks.receive)
 
 
 def _ended_by_stop(receive: asyncio.Task[StreamOutcome]) -> bool:
@@ -384,69 +331,8 @@ def _record_outcome(
         outcome.reason = finished.result() or StreamOutcome.DISCONNECT
 
 
-def _dialable(end: CallEnd | None) -> bool:
-    return end is not None and is_dialable(end.number)
-
-
 def _ended_by(end: CallEnd) -> StreamOutcome:
     return StreamOutcome.TRANSFER if end.action == EndAction.TRANSFER else StreamOutcome.HANGUP
-
-
-async def _transfer_by_rest(
-    services: CallServices, call_sid: str, end: CallEnd, receive: asyncio.Task[StreamOutcome]
-) -> bool:
-    """Redirect the call to ``<Dial>`` over REST; on failure the WS is closed as before.
-
-    The decision is stored first, so a ``<Connect action>`` request (REST failed, or raced it)
-    answers ``<Dial>`` too. After a redirect Twilio ends the stream with ``stop``: that is the
-    transfer completing, not the caller hanging up, so wait for it (bounded) without acting on it.
-    """
-    rest = services.rest  # one client per gateway: transfers reuse its connection
-    if rest is None:
-        return False
-
-    def decide(record: CallRecord) -> None:
-        record.end_action, record.transfer_to = end.action.value, end.number
-        record.status = CallStatus.TRANSFERRING
-
-    try:
-        await services.store.update(call_sid, decide)
-    except Exception as exc:  # without the stored decision the action path can't Dial either
-        log.error("call.transfer_store_failed", error=repr(exc))
-    redirected = await rest.redirect(call_sid, twilio.dial_twiml(end.number))
-    if redirected:
-        log.info("call.transfer_redirected", pii_number=end.number)
-        await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)
-    else:
-        log.warning("call.transfer_rest_failed", fallback="connect_action")
-    return redirected
-
-
-def _store_degraded(store: object) -> bool:
-    """Whether the store is carrying calls from memory (Redis away): another instance then
-    cannot read that this call ended. A plain store has no such state."""
-    statistics = statistics_of(store)
-    return statistics is not None and statistics.degraded
-
-
-async def _hang_up_without_store(
-    services: CallServices, call_sid: str, receive: asyncio.Task[StreamOutcome]
-) -> None:
-    """End a call whose end no other instance can read (its record was rebuilt here, or the
-    store is carrying calls from memory).
-
-    Closing the stream would make Twilio ask the <Connect action> URL what next, and the
-    instance that answers holds at best the webhook's copy of the call: it would resume the
-    call after its goodbye. So hang up over REST when we can; otherwise keep the line open,
-    silent, until the caller hangs up (they have heard the goodbye), bounded.
-    """
-    rest = services.rest
-    if rest is not None and await rest.redirect(call_sid, twilio.hangup_twiml()):
-        log.info("call.hangup_redirected", reason="record_not_shared")
-        await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)
-        return
-    log.info("call.hangup_held", reason="record_not_shared", seconds=HANGUP_HOLD_SECONDS)
-    await asyncio.wait({receive}, timeout=HANGUP_HOLD_SECONDS)
 
 
 async def _receive(
@@ -531,65 +417,18 @@ async def _attach(services: CallServices, start: Start, planned: bool) -> tuple[
     return await store.update(start.call_sid, attach), True
 
 
-async def _finish(
-    services: CallServices, start: Start, outcome: _Outcome
-) -> tuple[CallRecord | None, bool]:
-    """Store how the call left this stream and, when the call ended with it, settle how
-    (``ivr.call.endings``): the record as stored (None if not), and whether this stream
-    settled the call's ending (logged ``call.ended`` and counted it)."""
-    if outcome.reason == StreamOutcome.SUPERSEDED:
-        return None, False  # a newer stream owns the record now
-    store = services.store
-    call_sid = start.call_sid
-    end = outcome.end
-    turns = outcome.session.unsaved_turns() if outcome.session is not None else []
-    events = outcome.session.timeline.drain() if outcome.session is not None else []
-
-    def mark(record: CallRecord) -> None:
-        for turn in turns:
-            record.add_turn(turn)
-        record.add_events(events)
-        if record.is_ended:
-            return  # ended elsewhere first (Twilio's status callback): keep how
-        if end is not None and not outcome.held:  # held: the transfer owns these fields
-            record.end_action = end.action.value
-            record.transfer_to = end.number
-            record.status = (
-                CallStatus.TRANSFERRING if end.action == EndAction.TRANSFER else CallStatus.ENDED
-            )
-        elif outcome.reason in (StreamOutcome.DISCONNECT, StreamOutcome.MOVED):
-            # No `stop`: the socket dropped. Twilio will fetch the <Connect action> URL and
-            # any instance can resume the call from the store. Moved: a new stream takes it.
-            record.status = CallStatus.RECONNECTING
-
-    ending = outcome.ending()
-    try:
-        if ending is None:
-            return await store.update(call_sid, fenced(start.stream_sid, mark)), False
-        settled = await settle(
-            store,
-            call_sid,
-            ending[0],
-            by="stream",
-            status=ending[1],
-            also=fenced(start.stream_sid, mark),
-            stats=outcome.stats,
-            started=outcome.started,
-        )
-    except StreamSuperseded:
-        log.info("call.finish_skipped", reason="a newer stream carries the call")
-        return None, False
-    except Exception as exc:  # the call is over either way; never fail teardown
-        log.error("call.finish_failed", error=repr(exc))
-        if ending is None:
-            return None, False
-        # Nothing else knows how it ended: say it here (Twilio's callback may say it again).
-        announce(None, ending[0], by="stream", stats=outcome.stats, started=outcome.started)
-        return None, True
-    return settled.record, settled.ours
-
-
 async def _close(ws: WebSocket, code: int) -> None:
     if ws.application_state == WebSocketState.CONNECTED:
         with contextlib.suppress(Exception):
             await ws.close(code)
+
+
+async def _finish(
+    services: CallServices, start: Start, outcome: _Outcome
+) -> tuple[CallRecord | None, bool]:
+    """Hand how the call left this stream to call control (``ivr.control.after_stream``): the
+    record as stored (None if not), and whether this stream settled the call's ending."""
+    if outcome.reason == StreamOutcome.SUPERSEDED:
+        return None, False  # a newer stream owns the record now
+    end = outcome.stream_end()
+    return await record_stream_end(services.store, start.call_sid, start.stream_sid, end)

@@ -1,5 +1,4 @@
-"""Offline engines that need no account and no network: each model ships inside a package.
-
-They implement the provider seams (``ivr.stt.base``, ``ivr.tts.base``) or, for the LLM, run a
-local OpenAI-compatible server that the ordinary LLM client talks to.
+"""Offline machinery that is not a provider itself: the llama.cpp server process the offline LLM
+(``ivr.llm.llama_local``) talks to, and the Smart Turn end-of-turn model. Every model ships
+inside a package; nothing is downloaded at run time.
 """

@@ -21,15 +21,13 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import httpx
 
 from ivr.errors import ProviderError
-from ivr.llm.base import ChatMessage, LanguageModel, LlmEvent, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -191,54 +189,6 @@ class LocalLlmServer:
         for task in drains:  # they end at EOF, i.e. when the process is gone
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 2.0)
-
-
-ClientFactory = Callable[[str, str, str], LanguageModel]
-"""(base_url, api_key, model) -> the OpenAI-compatible client that talks to the server."""
-
-
-class OfflineLlm:
-    """A ``LanguageModel`` served by a ``LocalLlmServer`` that ``start()`` launches.
-
-    Built before the gateway starts (so every part of it can hold the model from the first
-    moment); ``stream_chat`` raises ``LocalLlmError`` until ``start()`` has run.
-    """
-
-    name = "local"
-
-    def __init__(self, connect: ClientFactory, server: LocalLlmServer | None = None) -> None:
-        self._connect = connect
-        self._server = server or LocalLlmServer()
-        self._client: LanguageModel | None = None
-        self.model = self._server.model
-
-    async def start(self) -> None:
-        log.info("llm.offline: starting the offline model server (no LLM API key set)")
-        await self._server.start()
-        server = self._server
-        self._client = self._connect(server.base_url, server.api_key, server.model)
-
-    def stream_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        json_schema: dict[str, Any] | None = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[LlmEvent]:
-        if self._client is None:
-            raise LocalLlmError("the offline model server has not been started")
-        return self._client.stream_chat(
-            messages, tools=tools, json_schema=json_schema, max_tokens=max_tokens
-        )
-
-    async def aclose(self) -> None:
-        try:
-            if self._client is not None:
-                await self._client.aclose()
-        finally:
-            self._client = None
-            await self._server.stop()
 
 
 async def _terminate_group(proc: asyncio.subprocess.Process, grace: float = 5.0) -> None:

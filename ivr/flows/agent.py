@@ -62,8 +62,8 @@ class StepContext(Protocol):
     def scope(self) -> dict[str, Any]: ...
 
 
-class AgentSteps:
-    """The steps of an agent node within one engine step (``ctx``)."""
+class NodeSteps:
+    """The steps of one kind of node within one engine step (``ctx``)."""
 
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
@@ -75,6 +75,10 @@ class AgentSteps:
     @property
     def state(self) -> FlowState:
         return self.ctx.state
+
+
+class AgentSteps(NodeSteps):
+    """The steps of an agent node within one engine step (``ctx``)."""
 
     # ------------------------------------------------------------ entering and listening
 

@@ -12,22 +12,22 @@ return node pops it.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from ivr import phrases
-from ivr.call.io import WarmTransfer
+from ivr.control.transfers import WarmTransfer
 from ivr.errors import FlowError
-from ivr.flows import argcheck, matching
+from ivr.flows import matching
 from ivr.flows.agent import AgentSteps
+from ivr.flows.asking import AskSteps
 from ivr.flows.events import (
     CallerHungUp,
     CallerPressed,
     CallerSaid,
     CallerSilent,
     CallStarted,
-    ClassifyIntent,
     FlowAction,
     FlowEvent,
     FlowState,
@@ -35,8 +35,6 @@ from ivr.flows.events import (
     Hangup,
     HttpResult,
     IntentClassified,
-    IntentOption,
-    Listen,
     LlmReplied,
     Resumed,
     Say,
@@ -59,7 +57,7 @@ from ivr.flows.model import (
     TransferNode,
 )
 from ivr.flows.template import lookup, render, render_value
-from ivr.flows.waits import as_result, listen_spec, read_answer, resend, send, waiting_request
+from ivr.flows.waits import as_result, read_answer, resend, send, waiting_request
 from ivr.telephony.dialing import is_dialable
 
 MAX_HOPS = 64
@@ -125,9 +123,9 @@ def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, lis
         run.handle(event)
         return run.state, run.actions
     finally:
-        # The agent steps point back at the step: without this, every step (one per caller
+        # The kinds' steps point back at the step: without this, every step (one per caller
         # pause with speculation) leaves its copy of the state for the cyclic GC to find.
-        del run.agent
+        del run.agent, run.asking
 
 
 class _Step:
@@ -137,7 +135,8 @@ class _Step:
         self.root = flow
         self.state = state
         self.actions: list[FlowAction] = []
-        self.agent = AgentSteps(self)
+        self.agent: AgentSteps = AgentSteps(self)
+        self.asking: AskSteps = AskSteps(self)
         # Without a stack the call's own flow runs (whatever name the state has, as before).
         current = flow.subflows.get(state.flow) if state.stack else flow
         self.lost = current is None or not self._frames_known()
@@ -166,13 +165,13 @@ class _Step:
         elif isinstance(event, Resumed):
             self._resume(event)
         elif isinstance(event, CallerHungUp):
-            self._finish("caller_hangup")
+            self.finish("caller_hangup")
         elif isinstance(event, HttpResult) and self.state.waiting == "http":
-            self._http_result(event)
+            _http_result(self, event)
         elif isinstance(event, HttpResult) and self.state.waiting == "tool_http":
             self.agent.tool_http_result(event)
         elif isinstance(event, IntentClassified) and self.state.waiting == "classify":
-            self._classified(event)
+            self.asking.classified(event)
         elif isinstance(event, LlmReplied) and self.state.waiting == "agent":
             self.agent.replied(event)
         elif isinstance(event, CallerSaid | CallerPressed | CallerSilent):
@@ -187,10 +186,9 @@ class _Step:
         if self.state.waiting != "input":
             raise FlowRuntimeError(f"caller input while waiting for {self.state.waiting}")
         node = self.flow.nodes[self.state.node]
-        if isinstance(node, AgentNode):
-            self.agent.caller_input(node, event)
-        elif isinstance(node, AskNode | MenuNode):
-            self._answer(node, event)
+        listen = STEPS[node.kind].listen
+        if listen is not None:
+            listen(self, node, event)
 
     # ------------------------------------------------------------ moving between nodes
 
@@ -222,92 +220,21 @@ class _Step:
         """Enter ``target``; return the next node if it does not wait for anything."""
         if target == "hangup":
             self.actions.append(Hangup())
-            self._finish("hangup")
+            self.finish("hangup")
             return None
         node = self.flow.nodes[target]
         self.state.node = target
         self.state.attempts = 0
         self.state.waiting = "start"
-        if isinstance(node, SayNode):
-            self.say(node.text, node.interruptible, node.after_beep)
-            return node.next
-        if isinstance(node, SetNode):
-            self.state.vars.update(render_value(node.values, self.scope()))
-            return node.next
-        if isinstance(node, GotoNode):
-            return node.next
-        if isinstance(node, SubflowNode):
-            return self._call(target, node)
-        if isinstance(node, ReturnNode):
-            return self._return()
-        if isinstance(node, BranchNode):
-            return next(
-                (c.next for c in node.cases if matching.all_hold(c.conditions, self.scope())),
-                node.default,
-            )
-        self._enter_waiting(node)
-        return None
+        return STEPS[node.kind].enter(self, target, node)
 
-    def _enter_waiting(self, node: Any) -> None:
-        if isinstance(node, AskNode | MenuNode):
-            self._prompt(node, None)
-        elif isinstance(node, AgentNode):
-            self.agent.enter(node)
-        elif isinstance(node, HttpNode):
-            self.actions.append(send(self.state, node.request, self.scope()))
-            self.state.waiting = "http"
-        elif isinstance(node, TransferNode):
-            self.say(node.say, interruptible=False)
-            number = self.render(node.number).strip()
-            if not is_dialable(number):  # a variable held something that cannot be dialled
-                self.say(phrases.TRANSFER_FAILED, interruptible=False)
-                self.actions.append(Hangup())
-                self._finish("hangup")
-                return
-            self.state.transfer_to = number
-            if node.warm:
-                self._warm_transfer(node, number)
-                return
-            self.actions.append(Transfer(number))
-            self._finish("transfer")
-        elif isinstance(node, HangupNode):
-            self.say(node.say, interruptible=False)
-            self.actions.append(Hangup())
-            self._finish("hangup")
-
-    def _warm_transfer(self, node: TransferNode, number: str) -> None:
-        """The call leaves the stream but the flow waits: the agent may not take it, and then
-        the call comes back here (``transfer_result`` set) and goes on at ``fallback``."""
-        conversation = tuple(
-            (item.role, item.content)
-            for item in self.state.history
-            if item.role in ("user", "assistant") and item.content
-        )
-        warm = WarmTransfer(
-            summary=self.render(node.summary or phrases.WARM_TRANSFER_SUMMARY).strip(),
-            summarize=node.summarize,
-            conversation=conversation,
-            hold_music=node.hold_music,
-            ring_timeout=node.ring_timeout,
-        )
-        self.actions.append(Transfer(number, warm))
-        self.state.outcome = "transfer"
-        self.state.transfer_result = None
-        self.state.waiting = "transfer"
-
-    def _transfer_not_taken(self, node: TransferNode, result: str) -> None:
-        self.state.vars["transfer_status"] = result
-        self.state.outcome = self.state.transfer_to = self.state.transfer_result = None
-        assert node.fallback is not None  # the model requires it with warm: true
-        self.goto(node.fallback)
-
-    def _finish(self, outcome: Any) -> None:
+    def finish(self, outcome: Any) -> None:
         self.state.outcome = outcome
         self.state.waiting = "done"
 
     # ------------------------------------------------------------ sub-flows
 
-    def _call(self, name: str, node: SubflowNode) -> str:
+    def call(self, name: str, node: SubflowNode) -> str:
         """Start the sub-flow of subflow node ``name``; returns the sub-flow's start node."""
         sub = self.root.subflows.get(node.flow)
         if sub is None:  # the loader attaches every sub-flow; a Flow built by hand may not
@@ -321,11 +248,11 @@ class _Step:
         self._switch(sub, values)
         return sub.start
 
-    def _return(self) -> str | None:
+    def return_(self) -> str | None:
         """Go back to the flow that started this one, after its subflow node."""
         if not self.state.stack:  # a flow with return nodes answered a call itself
             self.actions.append(Hangup())
-            self._finish("hangup")
+            self.finish("hangup")
             return None
         frame = self.state.stack.pop()
         parent = self.root.flow_named(frame.flow)
@@ -352,10 +279,8 @@ class _Step:
 
     def _resume(self, event: Resumed) -> None:
         node = None if self.lost else self.flow.nodes.get(self.state.node)
-        result = self.state.transfer_result
-        if isinstance(node, TransferNode) and self.state.waiting == "transfer" and result:
-            self._transfer_not_taken(node, result)  # back from the hold: no apology is due
-            return
+        if node is not None and STEPS[node.kind].came_back(self, node):
+            return  # it left the stream on purpose (a warm transfer's hold): no apology is due
         self.say(self.flow.resume_prompt or self.root.resume_prompt or event.resume_prompt)
         if self.lost:
             self._restart()
@@ -363,165 +288,194 @@ class _Step:
         node = self.flow.nodes.get(self.state.node)
         if node is None:  # the flow changed under a resumed call: start over
             self.goto(self.flow.start)
-        elif isinstance(node, AskNode | MenuNode):
-            self._prompt(node, None)
-        elif isinstance(node, AgentNode):
-            self.agent.resume(node)
-        elif not (isinstance(node, HttpNode) and self._resume_http(node)):
-            self.goto(self.state.node)
-
-    def _resume_http(self, node: HttpNode) -> bool:
-        """The call waited for a keyed request: take its kept answer, or (in flight, maybe
-        received) send it again with its key; never a second request under a new key."""
-        sent = waiting_request(self.state) if self.state.waiting == "http" else None
-        if sent is None:
-            return False
-        if sent.answer is not None:
-            self._http_result(as_result(sent.answer))
         else:
-            self.actions.append(resend(self.state, node.request, self.scope()))
+            STEPS[node.kind].resume(self, node)
+
+
+# ---------------------------------------------------------------- each kind's steps
+
+N = TypeVar("N")
+
+
+def _enter_again(run: _Step, node: Any) -> None:
+    run.goto(run.state.node)
+
+
+def _not_away(run: _Step, node: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Steps(Generic[N]):
+    """What the engine does at a node of one kind."""
+
+    enter: Callable[[_Step, str, N], str | None]
+    """Entering the node (named): the node to go on to when it waits for nothing, else None
+    (it waits: for the caller, an answer, or the call is over)."""
+    listen: Callable[[_Step, N, CallerInput], None] | None = None
+    """What the caller said or pressed, or their silence, while it waits for input."""
+    resume: Callable[[_Step, N], None] = _enter_again
+    """The call resumed on a new stream while at the node (after the resume prompt)."""
+    came_back: Callable[[_Step, N], bool] = _not_away
+    """Whether the call resumed because it came back from where the node sent it (a warm
+    transfer not taken); it then goes on without the resume prompt."""
+
+
+CallerInput = CallerSaid | CallerPressed | CallerSilent
+
+
+def _enter_say(run: _Step, name: str, node: SayNode) -> str | None:
+    run.say(node.text, node.interruptible, node.after_beep)
+    return node.next
+
+
+def _enter_set(run: _Step, name: str, node: SetNode) -> str | None:
+    run.state.vars.update(render_value(node.values, run.scope()))
+    return node.next
+
+
+def _enter_branch(run: _Step, name: str, node: BranchNode) -> str | None:
+    return next(
+        (c.next for c in node.cases if matching.all_hold(c.conditions, run.scope())),
+        node.default,
+    )
+
+
+def _enter_asking(run: _Step, name: str, node: AskNode | MenuNode) -> None:
+    run.asking.prompt(node)
+
+
+def _answer(run: _Step, node: AskNode | MenuNode, event: CallerInput) -> None:
+    run.asking.answer(node, event)
+
+
+def _prompt_again(run: _Step, node: AskNode | MenuNode) -> None:
+    run.asking.prompt(node)
+
+
+def _enter_agent(run: _Step, name: str, node: AgentNode) -> None:
+    run.agent.enter(node)
+
+
+def _agent_input(run: _Step, node: AgentNode, event: CallerInput) -> None:
+    run.agent.caller_input(node, event)
+
+
+def _agent_resume(run: _Step, node: AgentNode) -> None:
+    run.agent.resume(node)
+
+
+def _enter_goto(run: _Step, name: str, node: GotoNode) -> str | None:
+    return node.next
+
+
+def _enter_subflow(run: _Step, name: str, node: SubflowNode) -> str | None:
+    return run.call(name, node)
+
+
+def _enter_return(run: _Step, name: str, node: ReturnNode) -> str | None:
+    return run.return_()
+
+
+def _enter_http(run: _Step, name: str, node: HttpNode) -> None:
+    run.actions.append(send(run.state, node.request, run.scope()))
+    run.state.waiting = "http"
+
+
+def _resume_http(run: _Step, node: HttpNode) -> None:
+    """The call waited for a keyed request: take its kept answer, or (in flight, maybe
+    received) send it again with its key; never a second request under a new key."""
+    sent = waiting_request(run.state) if run.state.waiting == "http" else None
+    if sent is None:
+        run.goto(run.state.node)
+    elif sent.answer is not None:
+        _http_result(run, as_result(sent.answer))
+    else:
+        run.actions.append(resend(run.state, node.request, run.scope()))
+
+
+def _http_result(run: _Step, event: HttpResult) -> None:
+    node = run.flow.nodes[run.state.node]
+    assert isinstance(node, HttpNode)
+    run.state.request = None  # answered: its outcome goes into the variables now
+    run.state.vars["http_status"] = event.status
+    error = read_answer(node.request, event, run.state.vars)
+    run.state.vars["http_error"] = error
+    target = node.on_error if error else node.next
+    assert target is not None  # the validator requires both edges
+    run.goto(target)
+
+
+def _enter_transfer(run: _Step, name: str, node: TransferNode) -> None:
+    run.say(node.say, interruptible=False)
+    number = run.render(node.number).strip()
+    if not is_dialable(number):  # a variable held something that cannot be dialled
+        run.say(phrases.TRANSFER_FAILED, interruptible=False)
+        run.actions.append(Hangup())
+        run.finish("hangup")
+        return
+    run.state.transfer_to = number
+    if node.warm:
+        _warm_transfer(run, node, number)
+        return
+    run.actions.append(Transfer(number))
+    run.finish("transfer")
+
+
+def _warm_transfer(run: _Step, node: TransferNode, number: str) -> None:
+    """The call leaves the stream but the flow waits: the agent may not take it, and then
+    the call comes back here (``transfer_result`` set) and goes on at ``fallback``."""
+    conversation = tuple(
+        (item.role, item.content)
+        for item in run.state.history
+        if item.role in ("user", "assistant") and item.content
+    )
+    warm = WarmTransfer(
+        summary=run.render(node.summary or phrases.WARM_TRANSFER_SUMMARY).strip(),
+        summarize=node.summarize,
+        conversation=conversation,
+        hold_music=node.hold_music,
+        ring_timeout=node.ring_timeout,
+    )
+    run.actions.append(Transfer(number, warm))
+    run.state.outcome = "transfer"
+    run.state.transfer_result = None
+    run.state.waiting = "transfer"
+
+
+def _transfer_not_taken(run: _Step, node: TransferNode, result: str) -> None:
+    run.state.vars["transfer_status"] = result
+    run.state.outcome = run.state.transfer_to = run.state.transfer_result = None
+    assert node.fallback is not None  # the model requires it with warm: true
+    run.goto(node.fallback)
+
+
+def _transfer_came_back(run: _Step, node: TransferNode) -> bool:
+    result = run.state.transfer_result
+    if run.state.waiting == "transfer" and result:
+        _transfer_not_taken(run, node, result)  # back from the hold
         return True
-
-    # ------------------------------------------------------------ ask / menu
-
-    def _prompt(self, node: AskNode | MenuNode, before: str | None) -> None:
-        self.say(before)
-        self.say(node.prompt, node.interruptible)
-        self.actions.append(Listen(listen_spec(self.flow, node)))
-        self.state.waiting = "input"
-
-    def _retry(self, node: AskNode | MenuNode, silent: bool) -> None:
-        self.state.attempts += 1
-        limit = node.max_retries if node.max_retries is not None else self.flow.defaults.max_retries
-        if self.state.attempts > limit:
-            self.goto(node.fallback)
-            return
-        d = self.flow.defaults
-        if silent:
-            self._prompt(node, node.no_input_prompt or d.no_input_prompt)
-        else:
-            self._prompt(node, node.no_match_prompt or d.no_match_prompt)
-
-    def _answer(
-        self, node: AskNode | MenuNode, event: CallerSaid | CallerPressed | CallerSilent
-    ) -> None:
-        if isinstance(event, CallerSilent):
-            self._retry(node, silent=True)
-            return
-        answer = event.text.strip() if isinstance(event, CallerSaid) else event.digits
-        if not answer:
-            self._retry(node, silent=isinstance(event, CallerSaid))
-            return
-        self.state.vars["last_input"] = answer
-        spoken = isinstance(event, CallerSaid)
-        target = _match_route(self.flow, node, answer, spoken)
-        if target is not None:
-            self._accept(node, answer, target)
-        elif isinstance(node, AskNode) and spoken and (node.extract or node.classify):
-            self._classify(node, answer)
-        elif (
-            isinstance(node, AskNode)
-            and node.next is not None
-            and _pattern_ok(node, answer, spoken)
-        ):
-            self._accept(node, _clean(node, answer, spoken), node.next)
-        else:
-            self._retry(node, silent=False)
-
-    def _accept(self, node: AskNode | MenuNode, answer: str, target: str) -> None:
-        if node.store:
-            self.state.vars[node.store] = answer
-        self.goto(target)
-
-    def _classify(self, node: AskNode, answer: str) -> None:
-        intents = tuple(
-            IntentOption(r.intent, self.flow.intents[r.intent].description,
-                         tuple(self.flow.intents[r.intent].examples))
-            for r in node.routes if r.intent
-        )  # fmt: skip
-        schema = node.extract.schema_ if node.extract else None
-        self.actions.append(ClassifyIntent(answer, intents, schema))
-        self.state.pending_answer = answer
-        self.state.waiting = "classify"
-
-    def _classified(self, event: IntentClassified) -> None:
-        node = self.flow.nodes[self.state.node]
-        assert isinstance(node, AskNode)
-        answer = self.state.pending_answer or ""
-        self.state.pending_answer = None
-        if event.error is None and node.extract is not None:
-            slots = _valid_slots(node.extract.schema_, event.slots)
-            required = node.extract.schema_.get("required", [])
-            missing = [f for f in required if slots.get(f) in (None, "")]
-            if missing and node.extract.required:
-                self._retry(node, silent=False)
-                return
-            self.state.vars.update(slots)
-        routes = {r.intent: r.next for r in node.routes if r.intent}
-        intent = event.intent if isinstance(event.intent, str) else None
-        if event.error is None and intent in routes:
-            self.state.vars["last_intent"] = intent
-            self._accept(node, answer, routes[intent])
-        elif event.error is None and node.next is not None and _pattern_ok(node, answer, True):
-            self._accept(node, _clean(node, answer, True), node.next)
-        else:
-            self._retry(node, silent=False)
-
-    # ------------------------------------------------------------ http
-
-    def _http_result(self, event: HttpResult) -> None:
-        node = self.flow.nodes[self.state.node]
-        assert isinstance(node, HttpNode)
-        self.state.request = None  # answered: its outcome goes into the variables now
-        self.state.vars["http_status"] = event.status
-        error = read_answer(node.request, event, self.state.vars)
-        self.state.vars["http_error"] = error
-        target = node.on_error if error else node.next
-        assert target is not None  # the validator requires both edges
-        self.goto(target)
+    return False
 
 
-def _match_route(flow: Flow, node: AskNode | MenuNode, answer: str, spoken: bool) -> str | None:
-    key = matching.spoken_key(answer) if spoken else answer
-    if isinstance(node, MenuNode):
-        for option in node.options:
-            if key == option.key or (spoken and matching.any_phrase(answer, option.say)):
-                return option.next
-        return None
-    for route in node.routes:
-        if route.key is not None and key == route.key:
-            return route.next
-        if (
-            spoken
-            and route.intent
-            and matching.any_phrase(answer, flow.intents[route.intent].examples)
-        ):
-            return route.next
-    return None
+def _enter_hangup(run: _Step, name: str, node: HangupNode) -> None:
+    run.say(node.say, interruptible=False)
+    run.actions.append(Hangup())
+    run.finish("hangup")
 
 
-def _valid_slots(schema: Mapping[str, Any], slots: Mapping[str, Any]) -> dict[str, Any]:
-    """The extracted values that are declared, not null, and match their property schema."""
-    props: Mapping[str, Any] = schema.get("properties", {})
-    return {
-        k: v
-        for k, v in slots.items()
-        if isinstance(props.get(k), dict) and v is not None and not argcheck.check(v, props[k], k)
-    }
-
-
-def _clean(node: AskNode, answer: str, spoken: bool) -> str:
-    """A spoken answer to a digits question ("one two three") is stored as digits."""
-    if spoken and node.pattern and node.dtmf:
-        digits = matching.spoken_digits(answer)
-        if digits and node.pattern and _full(node.pattern, digits):
-            return digits
-    return answer
-
-
-def _pattern_ok(node: AskNode, answer: str, spoken: bool) -> bool:
-    return node.pattern is None or _full(node.pattern, _clean(node, answer, spoken))
-
-
-def _full(pattern: str, text: str) -> bool:
-    return re.fullmatch(pattern, text) is not None
+STEPS: dict[str, Steps[Any]] = {
+    "say": Steps(_enter_say),
+    "ask": Steps(_enter_asking, _answer, _prompt_again),
+    "menu": Steps(_enter_asking, _answer, _prompt_again),
+    "agent": Steps(_enter_agent, _agent_input, _agent_resume),
+    "branch": Steps(_enter_branch),
+    "set": Steps(_enter_set),
+    "http": Steps(_enter_http, resume=_resume_http),
+    "transfer": Steps(_enter_transfer, came_back=_transfer_came_back),
+    "hangup": Steps(_enter_hangup),
+    "goto": Steps(_enter_goto),
+    "subflow": Steps(_enter_subflow),
+    "return": Steps(_enter_return),
+}
+"""The engine's steps for each node kind, by ``kind``."""

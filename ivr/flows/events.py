@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ivr.call.interruptions import InterruptionPolicy
-from ivr.call.io import ListenSpec, WarmTransfer
+from ivr.call.io import ListenSpec
+from ivr.control.transfers import WarmTransfer
 from ivr.llm.base import ChatMessage, ToolSpec
 
 # ---------------------------------------------------------------- state

@@ -11,13 +11,15 @@ not here: pydantic only checks the shape, so every error can name its file, line
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from ivr.call.interruptions import DEFAULT_BACKCHANNELS, InterruptionPolicy
 from ivr.call.turn_end import Expect
+from ivr.flows.problems import Path_
 from ivr.telephony.dialing import is_dialable
 
 NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
@@ -273,8 +275,64 @@ class RecordingSpec(Spec):
 # ---------------------------------------------------------------- nodes
 
 
+class Edge(NamedTuple):
+    """A node another node can go to, and the field that names it."""
+
+    path: Path_
+    """Of the field, within the node: ``("next",)``, ``("routes", 0, "next")``, ..."""
+    target: str
+    label: str | None = None
+    """What the choice is, for drawings (None: the field says it)."""
+
+
 class NodeBase(Spec):
+    """What every kind of node answers about itself; a kind overrides what applies to it.
+    (The engine's steps per kind are in ``ivr.flows.engine``, the checks in
+    ``ivr.flows.validate``.)"""
+
     description: str = ""
+
+    def targets(self) -> Iterator[Edge]:
+        """Every node this one can go to."""
+        return iter(())
+
+    def variables_set(self) -> Iterator[str]:
+        """The variables this node may set."""
+        return iter(())
+
+    def answer_variables(self, answers_of: Callable[[str], set[str]]) -> Iterator[str]:
+        """Of ``variables_set``, those that can hold what the caller said or pressed.
+        ``answers_of(flow)``: those of another flow of the call (for a sub-flow's returns)."""
+        return iter(())
+
+    def answer_store(self) -> str | None:
+        """The variable the caller's answer at this node goes into, if any."""
+        return None
+
+    def assigned_values(self) -> Mapping[str, Any]:
+        """Values (or templates) the flow file itself gives variables here."""
+        return {}
+
+    def spoken_texts(self) -> Iterator[str]:
+        """Prompt templates this node may say ("" for one that is not set)."""
+        return iter(())
+
+    def condition_lists(self) -> Iterator[tuple[str, list[Case]]]:
+        """(field, cases) of the conditions this node checks."""
+        return iter(())
+
+    def knowledge_files(self) -> list[str]:
+        """Files (relative to the flow file) read into the node's context at load."""
+        return []
+
+    def uses_llm(self) -> bool:
+        """Whether running this node may ask the LLM."""
+        return False
+
+
+def _next(node: SayNode | SetNode | GotoNode | SubflowNode) -> Iterator[Edge]:
+    if node.next is not None:
+        yield Edge(("next",), node.next)
 
 
 class SayNode(NodeBase):
@@ -288,6 +346,12 @@ class SayNode(NodeBase):
         "greeting and beep are over, then say the text whole (never interrupted).",
     )
     next: str | None = None
+
+    def targets(self) -> Iterator[Edge]:
+        return _next(self)
+
+    def spoken_texts(self) -> Iterator[str]:
+        yield self.text
 
 
 class TurnSpec(Spec):
@@ -359,6 +423,22 @@ class _InputNode(NodeBase):
         default_factory=TurnSpec, description="When a spoken answer is over (pause lengths)."
     )
 
+    def targets(self) -> Iterator[Edge]:
+        yield Edge(("fallback",), self.fallback)
+
+    def variables_set(self) -> Iterator[str]:
+        if self.store:
+            yield self.store
+
+    def answer_variables(self, answers_of: Callable[[str], set[str]]) -> Iterator[str]:
+        return self.variables_set()
+
+    def answer_store(self) -> str | None:
+        return self.store
+
+    def spoken_texts(self) -> Iterator[str]:
+        yield from (self.prompt, self.no_input_prompt or "", self.no_match_prompt or "")
+
 
 class AskNode(_InputNode):
     kind: Literal["ask"]
@@ -380,6 +460,22 @@ class AskNode(_InputNode):
                 raise ValueError(f"bad regular expression {value!r}: {exc}") from exc
         return value
 
+    def targets(self) -> Iterator[Edge]:
+        yield from super().targets()
+        for i, route in enumerate(self.routes):
+            label = " / ".join(x for x in (route.intent, route.key) if x)
+            yield Edge(("routes", i, "next"), route.next, label)
+        if self.next is not None:
+            yield Edge(("next",), self.next)
+
+    def variables_set(self) -> Iterator[str]:
+        yield from super().variables_set()
+        if self.extract is not None:
+            yield from self.extract.fields
+
+    def uses_llm(self) -> bool:
+        return self.classify or self.extract is not None
+
 
 class MenuOption(Spec):
     key: str = Field(pattern=r"^[0-9*#]$")
@@ -390,6 +486,11 @@ class MenuOption(Spec):
 class MenuNode(_InputNode):
     kind: Literal["menu"]
     options: list[MenuOption] = Field(min_length=1)
+
+    def targets(self) -> Iterator[Edge]:
+        yield from super().targets()
+        for i, option in enumerate(self.options):
+            yield Edge(("options", i, "next"), option.next, f"key {option.key}")
 
 
 class AgentTool(Spec):
@@ -448,11 +549,51 @@ class AgentNode(NodeBase):
             raise ValueError("max_turns needs on_max_turns: the node to go to when it is reached")
         return self
 
+    def targets(self) -> Iterator[Edge]:
+        for i, tool in enumerate(self.tools):
+            if tool.next is not None:
+                yield Edge(("tools", i, "next"), tool.next, tool.name)
+        for i, case in enumerate(self.exit_when):
+            yield Edge(("exit_when", i, "next"), case.next)
+        for name in ("on_max_turns", "on_no_input", "on_error"):
+            if (target := getattr(self, name)) is not None:
+                yield Edge((name,), target)
+
+    def variables_set(self) -> Iterator[str]:
+        for tool in self.tools:
+            yield from tool.set
+            if tool.http is not None:
+                yield from tool.http.map
+
+    def answer_variables(self, answers_of: Callable[[str], set[str]]) -> Iterator[str]:
+        return (name for tool in self.tools for name in tool.set)
+
+    def spoken_texts(self) -> Iterator[str]:
+        yield from (self.greeting or "", self.no_input_prompt or "")
+
+    def condition_lists(self) -> Iterator[tuple[str, list[Case]]]:
+        yield "exit_when", self.exit_when
+
+    def knowledge_files(self) -> list[str]:
+        return self.knowledge
+
+    def uses_llm(self) -> bool:
+        return True
+
 
 class BranchNode(NodeBase):
     kind: Literal["branch"]
     cases: list[Case] = Field(min_length=1)
     default: str | None = None
+
+    def targets(self) -> Iterator[Edge]:
+        for i, case in enumerate(self.cases):
+            yield Edge(("cases", i, "next"), case.next)
+        if self.default is not None:
+            yield Edge(("default",), self.default)
+
+    def condition_lists(self) -> Iterator[tuple[str, list[Case]]]:
+        yield "cases", self.cases
 
 
 class SetNode(NodeBase):
@@ -460,12 +601,29 @@ class SetNode(NodeBase):
     values: dict[VarName, Any]
     next: str | None = None
 
+    def targets(self) -> Iterator[Edge]:
+        return _next(self)
+
+    def variables_set(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def assigned_values(self) -> Mapping[str, Any]:
+        return self.values
+
 
 class HttpNode(NodeBase):
     kind: Literal["http"]
     request: HttpCall
     next: str | None = None
     on_error: str | None = None
+
+    def targets(self) -> Iterator[Edge]:
+        for name in ("next", "on_error"):
+            if (target := getattr(self, name)) is not None:
+                yield Edge((name,), target)
+
+    def variables_set(self) -> Iterator[str]:
+        return iter(self.request.map)
 
 
 class TransferNode(NodeBase):
@@ -520,6 +678,13 @@ class TransferNode(NodeBase):
             raise ValueError(f"hold_music '{self.hold_music}' must be an http(s) URL (or '')")
         return self
 
+    def targets(self) -> Iterator[Edge]:
+        if self.fallback is not None:  # a warm transfer the agent did not take
+            yield Edge(("fallback",), self.fallback)
+
+    def spoken_texts(self) -> Iterator[str]:
+        yield self.say or ""
+
 
 _WARM_ONLY = ("fallback", "summary", "summarize", "hold_music", "ring_timeout")
 
@@ -528,10 +693,16 @@ class HangupNode(NodeBase):
     kind: Literal["hangup"]
     say: str | None = None
 
+    def spoken_texts(self) -> Iterator[str]:
+        yield self.say or ""
+
 
 class GotoNode(NodeBase):
     kind: Literal["goto"]
     next: str | None = None
+
+    def targets(self) -> Iterator[Edge]:
+        return _next(self)
 
 
 class SubflowNode(NodeBase):
@@ -552,6 +723,16 @@ class SubflowNode(NodeBase):
     )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def targets(self) -> Iterator[Edge]:
+        return _next(self)
+
+    def variables_set(self) -> Iterator[str]:
+        return iter(self.return_)
+
+    def answer_variables(self, answers_of: Callable[[str], set[str]]) -> Iterator[str]:
+        inner = answers_of(self.flow)
+        return (k for k, v in self.return_.items() if v.split(".")[0] in inner)
 
 
 class ReturnNode(NodeBase):

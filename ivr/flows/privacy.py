@@ -24,7 +24,7 @@ from typing import Any
 
 from ivr.flows import matching, template
 from ivr.flows.events import FlowState, HistoryItem
-from ivr.flows.model import AgentNode, AskNode, EnvVar, Flow, MenuNode, SetNode, SubflowNode
+from ivr.flows.model import EnvVar, Flow
 from ivr.obs.pii import kept_digits, mask_deep, mask_speech
 
 ALWAYS_CLEAR = frozenset({"caller", "called", "call_sid"})
@@ -58,7 +58,7 @@ def stored_digits(flow: Flow, state: FlowState, digits: str) -> str:
     answer they are, in clear only if the node stores them in a ``variables_in_clear`` one."""
     running = flow.flow_named(state.flow)
     node = running.nodes.get(state.node) if running is not None else None
-    store = node.store if isinstance(node, AskNode | MenuNode) else None
+    store = node.answer_store() if node is not None else None
     if store and store in _policy(flow, state.flow).clear:
         return digits
     return mask_answer(digits)
@@ -77,29 +77,26 @@ def answer_variables(flow: Flow, call_flow: Flow | None = None) -> set[str]:
     """The variables of ``flow`` that can hold what the caller said or pressed. ``call_flow``:
     the flow of the call, which knows every sub-flow (``flow`` itself when None)."""
     top = call_flow or flow
+
+    def answers_of(name: str) -> set[str]:
+        sub = top.flow_named(name)
+        return answer_variables(sub, top) if sub is not None else set()
+
     names = {"last_input"}
     for node in flow.nodes.values():
-        if isinstance(node, AskNode | MenuNode) and node.store:
-            names.add(node.store)
-        if isinstance(node, AskNode) and node.extract is not None:
-            names.update(node.extract.fields)
-        if isinstance(node, AgentNode):
-            names.update(name for tool in node.tools for name in tool.set)
-        if isinstance(node, SubflowNode) and (sub := top.flow_named(node.flow)) is not None:
-            inner = answer_variables(sub, top)
-            names.update(k for k, v in node.return_.items() if v.split(".")[0] in inner)
+        names.update(node.answer_variables(answers_of))
     return names | _copies(flow, names)
 
 
 def _copies(flow: Flow, answers: set[str]) -> set[str]:
     """``set`` values that are templates reading an answer, until no new one turns up."""
-    sets = [node for node in flow.nodes.values() if isinstance(node, SetNode)]
+    assigned = [node.assigned_values() for node in flow.nodes.values()]
     found: set[str] = set()
     while True:
         new = {
             name
-            for node in sets
-            for name, value in node.values.items()
+            for values in assigned
+            for name, value in values.items()
             if name not in answers | found and _reads(value, answers | found)
         }
         if not new:
@@ -130,10 +127,9 @@ def _policy(flow: Flow, name: str) -> _Policy:
         k: [v] for k, v in one.variables.items() if not isinstance(v, EnvVar)
     }
     for node in one.nodes.values():
-        if isinstance(node, SetNode):
-            for k, v in node.values.items():
-                if not _is_template(v):
-                    literals.setdefault(k, []).append(v)
+        for k, v in node.assigned_values().items():
+            if not _is_template(v):
+                literals.setdefault(k, []).append(v)
     return _Policy(
         clear=ALWAYS_CLEAR | set(one.variables_in_clear),
         answers=frozenset(answer_variables(one, flow)),

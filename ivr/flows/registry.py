@@ -23,7 +23,7 @@ import watchfiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ivr.flows.loader import ROUTES_FILE, flow_files, load_flow_text, read_flow_text
-from ivr.flows.model import AgentNode, AskNode, Flow, HangupNode, MenuNode, SayNode, TransferNode
+from ivr.flows.model import Flow
 from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.sources import Sources, capture, combine
 from ivr.flows.subflows import resolve
@@ -254,11 +254,4 @@ def _prompts(flow: Flow) -> Iterator[str]:
     if flow.recording.enabled != "never":
         yield flow.recording.consent_prompt or ""
     for node in flow.nodes.values():
-        if isinstance(node, SayNode):
-            yield node.text
-        elif isinstance(node, AskNode | MenuNode):
-            yield from (node.prompt, node.no_input_prompt or "", node.no_match_prompt or "")
-        elif isinstance(node, AgentNode):
-            yield from (node.greeting or "", node.no_input_prompt or "")
-        elif isinstance(node, TransferNode | HangupNode):
-            yield node.say or ""
+        yield from node.spoken_texts()

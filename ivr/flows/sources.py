@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 import structlog
 
 from ivr.flows.loader import file_digest, sibling_flows
-from ivr.flows.model import AgentNode, Flow
+from ivr.flows.model import Flow
 from ivr.flows.problems import FlowLoadError, Problem
 from ivr.flows.subflows import resolve
 
@@ -32,9 +32,7 @@ Sources = dict[str, str]
 
 def knowledge_paths(flow: Flow) -> list[str]:
     """The knowledge files ``flow`` embeds, in the order the loader reads (and hashes) them."""
-    return [
-        rel for node in flow.nodes.values() if isinstance(node, AgentNode) for rel in node.knowledge
-    ]
+    return [rel for node in flow.nodes.values() for rel in node.knowledge_files()]
 
 
 def capture(flow: Flow, text: str, path: Path) -> Sources | None:

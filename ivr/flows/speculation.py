@@ -76,12 +76,19 @@ class PrefetchingModel:
         tools: Sequence[ToolSpec] = (),
         json_schema: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        first_output_limit: float | None = None,
     ) -> AsyncIterator[LlmEvent]:
+        """The prefetched reply if it was asked for exactly this (it keeps the limits it
+        started with), else a new request."""
         pending, self._pending = self._pending, None
 
         def live() -> AsyncIterator[LlmEvent]:
             return self.inner.stream_chat(
-                messages, tools=tools, json_schema=json_schema, max_tokens=max_tokens
+                messages,
+                tools=tools,
+                json_schema=json_schema,
+                max_tokens=max_tokens,
+                first_output_limit=first_output_limit,
             )
 
         if pending is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 from ivr.flows.model import INPUT_KINDS, Flow, Node, ReturnNode, SubflowNode
 from ivr.flows.problems import Problem
-from ivr.flows.validate import edges, input_free_cycles, known_variables
+from ivr.flows.validate import input_free_cycles, known_variables
 
 
 def resolve(flows: Mapping[str, Flow]) -> tuple[dict[str, Flow], list[Problem]]:
@@ -200,7 +200,7 @@ def _returns_without_input(flow: Flow, waits: Callable[[Node], bool]) -> bool:
             continue
         if isinstance(node, ReturnNode):
             return True
-        for _, target in edges(node):
+        for _, target, _ in node.targets():
             if target not in seen:
                 seen.add(target)
                 todo.append(target)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ivr.flows import template
 from ivr.flows.model import (
@@ -30,7 +31,6 @@ from ivr.flows.model import (
     SayNode,
     SetNode,
     SubflowNode,
-    TransferNode,
 )
 from ivr.flows.problems import Path_, Problem, SourceMap
 
@@ -56,46 +56,6 @@ _NOT_TEMPLATES = frozenset(
         "exit_when", "cases", "tools", "result", "idempotency_header", "hold_music",
     }
 )  # fmt: skip
-
-
-def edges(node: Node) -> Iterator[tuple[Path_, str]]:
-    """Every target a node can go to, with the path of the field naming it."""
-    if isinstance(node, SayNode | SetNode | GotoNode | SubflowNode) and node.next is not None:
-        yield ("next",), node.next
-    if isinstance(node, AskNode | MenuNode):
-        yield ("fallback",), node.fallback
-    if isinstance(node, AskNode):
-        for i, route in enumerate(node.routes):
-            yield ("routes", i, "next"), route.next
-        if node.next is not None:
-            yield ("next",), node.next
-    if isinstance(node, MenuNode):
-        for i, option in enumerate(node.options):
-            yield ("options", i, "next"), option.next
-    if isinstance(node, BranchNode):
-        for i, case in enumerate(node.cases):
-            yield ("cases", i, "next"), case.next
-        if node.default is not None:
-            yield ("default",), node.default
-    if isinstance(node, HttpNode):
-        for name in ("next", "on_error"):
-            if getattr(node, name) is not None:
-                yield (name,), getattr(node, name)
-    if isinstance(node, AgentNode):
-        yield from _agent_edges(node)
-    if isinstance(node, TransferNode) and node.fallback is not None:
-        yield ("fallback",), node.fallback  # a warm transfer the agent did not take
-
-
-def _agent_edges(node: AgentNode) -> Iterator[tuple[Path_, str]]:
-    for i, tool in enumerate(node.tools):
-        if tool.next is not None:
-            yield ("tools", i, "next"), tool.next
-    for i, case in enumerate(node.exit_when):
-        yield ("exit_when", i, "next"), case.next
-    for name in ("on_max_turns", "on_no_input", "on_error"):
-        if getattr(node, name) is not None:
-            yield (name,), getattr(node, name)
 
 
 def read_knowledge(
@@ -147,7 +107,7 @@ def _check_targets(flow: Flow, smap: SourceMap) -> list[Problem]:
         msg = _unknown_target(flow, flow.start, "in 'start'")
         problems.append(smap.problem(("start",), msg))
     for name, node in flow.nodes.items():
-        for path, target in edges(node):
+        for path, target, _ in node.targets():
             if target not in flow.nodes and target not in BUILTIN_TARGETS:
                 msg = _unknown_target(flow, target, f"in node '{name}'")
                 problems.append(smap.problem(("nodes", name, *path), msg))
@@ -157,21 +117,23 @@ def _check_targets(flow: Flow, smap: SourceMap) -> list[Problem]:
 def _check_nodes(flow: Flow, smap: SourceMap) -> list[Problem]:
     problems: list[Problem] = []
     for name, node in flow.nodes.items():
-        at = ("nodes", name)
-        if isinstance(node, AskNode | MenuNode) and not (node.speech or node.dtmf):
-            problems.append(smap.problem(at, f"node '{name}' accepts neither speech nor dtmf"))
-        if isinstance(node, AskNode):
-            problems += _check_ask(flow, name, node, smap)
-        if isinstance(node, MenuNode):
-            keys = [o.key for o in node.options]
-            for i, option in enumerate(node.options):
-                if keys.index(option.key) != i:
-                    msg = f"key '{option.key}' is used twice in menu '{name}'"
-                    problems.append(smap.problem((*at, "options", i, "key"), msg))
-        if isinstance(node, AgentNode):
-            problems += _check_agent(name, node, smap)
-        if isinstance(node, HttpNode):
-            problems += _check_http(node.request, (*at, "request"), smap)
+        problems += RULES[node.kind].check(flow, name, node, smap)
+    return problems
+
+
+def _check_input(flow: Flow, name: str, node: AskNode | MenuNode, smap: SourceMap) -> list[Problem]:
+    if node.speech or node.dtmf:
+        return []
+    return [smap.problem(("nodes", name), f"node '{name}' accepts neither speech nor dtmf")]
+
+
+def _check_menu(flow: Flow, name: str, node: MenuNode, smap: SourceMap) -> list[Problem]:
+    problems = _check_input(flow, name, node, smap)
+    keys = [o.key for o in node.options]
+    for i, option in enumerate(node.options):
+        if keys.index(option.key) != i:
+            msg = f"key '{option.key}' is used twice in menu '{name}'"
+            problems.append(smap.problem(("nodes", name, "options", i, "key"), msg))
     return problems
 
 
@@ -192,7 +154,7 @@ def _check_http(call: HttpCall, at: Path_, smap: SourceMap) -> list[Problem]:
 
 
 def _check_ask(flow: Flow, name: str, node: AskNode, smap: SourceMap) -> list[Problem]:
-    problems = []
+    problems = _check_input(flow, name, node, smap)
     for i, route in enumerate(node.routes):
         if route.intent is not None and route.intent not in flow.intents:
             known = ", ".join(sorted(flow.intents)) or "none declared"
@@ -233,21 +195,7 @@ def _check_agent(name: str, node: AgentNode, smap: SourceMap) -> list[Problem]:
 def known_variables(flow: Flow) -> set[str]:
     names = set(BUILTIN_VARIABLES) | set(flow.variables)
     for node in flow.nodes.values():
-        if isinstance(node, AskNode | MenuNode) and node.store:
-            names.add(node.store)
-        if isinstance(node, AskNode) and node.extract is not None:
-            names.update(node.extract.fields)
-        if isinstance(node, SetNode):
-            names.update(node.values)
-        if isinstance(node, SubflowNode):
-            names.update(node.return_)
-        if isinstance(node, HttpNode):
-            names.update(node.request.map)
-        if isinstance(node, AgentNode):
-            for tool in node.tools:
-                names.update(tool.set)
-                if tool.http is not None:
-                    names.update(tool.http.map)
+        names.update(node.variables_set())
     return names
 
 
@@ -306,20 +254,32 @@ def _template_strings(
     nodes = data.get("nodes", {})
     for name, raw in nodes.items():
         node = flow.nodes[name]
-        if isinstance(node, SubflowNode):  # only the values given to the sub-flow are templates
-            for key, value in raw.get("pass", {}).items():
-                yield from _walk_templates(value, ("nodes", name, "pass", str(key)), None)
-            continue
-        yield from _walk_templates(raw, ("nodes", name), None)
-        if isinstance(node, AgentNode):
-            for i, tool in enumerate(node.tools):
-                args = set(tool.parameters.get("properties", {}))
-                raw_tool = raw["tools"][i]
-                for part in ("set", "http"):
-                    if part in raw_tool:
-                        yield from _walk_templates(
-                            raw_tool[part], ("nodes", name, "tools", i, part), args
-                        )
+        yield from RULES[node.kind].templates(node, raw, ("nodes", name))
+
+
+Templates = Iterator[tuple[Path_, str, set[str] | None]]
+
+
+def _all_templates(node: Any, raw: dict[str, Any], at: Path_) -> Templates:
+    """Every string of the node is a template (names, phrases and schemas aside)."""
+    return _walk_templates(raw, at, None)
+
+
+def _subflow_templates(node: SubflowNode, raw: dict[str, Any], at: Path_) -> Templates:
+    """Only the values given to the sub-flow are templates."""
+    for key, value in raw.get("pass", {}).items():
+        yield from _walk_templates(value, (*at, "pass", str(key)), None)
+
+
+def _agent_templates(node: AgentNode, raw: dict[str, Any], at: Path_) -> Templates:
+    """A tool's ``set`` and ``http`` may also read the tool's arguments (``args.NAME``)."""
+    yield from _walk_templates(raw, at, None)
+    for i, tool in enumerate(node.tools):
+        args = set(tool.parameters.get("properties", {}))
+        raw_tool = raw["tools"][i]
+        for part in ("set", "http"):
+            if part in raw_tool:
+                yield from _walk_templates(raw_tool[part], (*at, "tools", i, part), args)
 
 
 def _walk_templates(
@@ -338,14 +298,12 @@ def _walk_templates(
 
 def _condition_vars(flow: Flow) -> Iterator[tuple[Path_, str]]:
     for name, node in flow.nodes.items():
-        cases = node.cases if isinstance(node, BranchNode) else []
-        field = "cases"
-        if isinstance(node, AgentNode):
-            cases, field = node.exit_when, "exit_when"
-        for i, case in enumerate(cases):
-            for j, cond in enumerate(case.conditions):
-                sub: Path_ = ("when", j, "var") if isinstance(case.when, list) else ("when", "var")
-                yield ("nodes", name, field, i, *sub), cond.var
+        for field, cases in node.condition_lists():
+            for i, case in enumerate(cases):
+                listed = isinstance(case.when, list)
+                for j, cond in enumerate(case.conditions):
+                    at: Path_ = ("when", j, "var") if listed else ("when", "var")
+                    yield ("nodes", name, field, i, *at), cond.var
 
 
 # ---------------------------------------------------------------- graph
@@ -361,7 +319,7 @@ def _check_graph(flow: Flow, smap: SourceMap) -> list[Problem]:
             msg = f"node '{name}' is unreachable from start '{flow.start}'; link to it or delete it"
             problems.append(smap.problem(("nodes", name), msg, key=True))
     for name, node in flow.nodes.items():
-        reason = _dead_end(node)
+        reason = RULES[node.kind].dead_end(node)
         if reason:
             problems.append(
                 smap.problem(("nodes", name), f"node '{name}' is a dead end: {reason}", key=True)
@@ -382,25 +340,35 @@ def reachable_nodes(flow: Flow) -> set[str]:
         node = flow.nodes.get(todo.pop())
         if node is None:
             continue
-        for _, target in edges(node):
+        for _, target, _ in node.targets():
             if target in flow.nodes and target not in seen:
                 seen.add(target)
                 todo.append(target)
     return seen
 
 
-def _dead_end(node: Node) -> str:
-    if isinstance(node, SayNode | SetNode | GotoNode) and node.next is None:
-        return "add 'next:' (or end the call with a hangup node)"
-    if isinstance(node, SubflowNode) and node.next is None:
-        return "add 'next:' (where to continue when the sub-flow returns)"
-    if isinstance(node, HttpNode) and (node.next is None or node.on_error is None):
+def _needs_next(node: SayNode | SetNode | GotoNode) -> str:
+    return "" if node.next is not None else "add 'next:' (or end the call with a hangup node)"
+
+
+def _subflow_dead_end(node: SubflowNode) -> str:
+    if node.next is not None:
+        return ""
+    return "add 'next:' (where to continue when the sub-flow returns)"
+
+
+def _http_dead_end(node: HttpNode) -> str:
+    if node.next is None or node.on_error is None:
         return "an http node needs both 'next:' and 'on_error:'"
-    if isinstance(node, BranchNode) and node.default is None:
-        return "add 'default:' for when no case matches"
-    if isinstance(node, AskNode) and node.next is None and not node.routes:
-        return "add 'routes:' or 'next:'"
     return ""
+
+
+def _branch_dead_end(node: BranchNode) -> str:
+    return "add 'default:' for when no case matches" if node.default is None else ""
+
+
+def _ask_dead_end(node: AskNode) -> str:
+    return "add 'routes:' or 'next:'" if node.next is None and not node.routes else ""
 
 
 def waits_for_caller(node: Node) -> bool:
@@ -413,7 +381,7 @@ def input_free_cycles(
 ) -> list[list[str]]:
     """Strongly connected groups of nodes that never wait for the caller (Tarjan)."""
     graph = {
-        name: [t for _, t in edges(node) if t in flow.nodes and not waits(flow.nodes[t])]
+        name: [t for _, t, _ in node.targets() if t in flow.nodes and not waits(flow.nodes[t])]
         for name, node in flow.nodes.items()
         if not waits(node)
     }
@@ -445,3 +413,51 @@ def input_free_cycles(
         if name not in index:
             visit(name)
     return cycles
+
+
+# ---------------------------------------------------------------- per kind
+
+N = TypeVar("N")
+
+
+def _no_problems(flow: Flow, name: str, node: Any, smap: SourceMap) -> list[Problem]:
+    return []
+
+
+def _never_stuck(node: Any) -> str:
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rules(Generic[N]):
+    """What is checked of a node of one kind, beyond the shape pydantic checks."""
+
+    check: Callable[[Flow, str, N, SourceMap], list[Problem]] = _no_problems
+    """Its own problems (unknown intents, duplicate keys, ...)."""
+    dead_end: Callable[[N], str] = _never_stuck
+    """Why the call would get stuck at it ("" when it cannot)."""
+    templates: Callable[[N, dict[str, Any], Path_], Templates] = _all_templates
+    """Its template strings as written: (path, text, tool-argument names or None)."""
+
+
+RULES: dict[str, Rules[Any]] = {
+    "say": Rules(dead_end=_needs_next),
+    "ask": Rules(_check_ask, _ask_dead_end),
+    "menu": Rules(_check_menu),
+    "agent": Rules(
+        lambda flow, name, node, smap: _check_agent(name, node, smap),
+        templates=_agent_templates,
+    ),
+    "branch": Rules(dead_end=_branch_dead_end),
+    "set": Rules(dead_end=_needs_next),
+    "http": Rules(
+        lambda flow, name, node, smap: _check_http(node.request, ("nodes", name, "request"), smap),
+        _http_dead_end,
+    ),
+    "transfer": Rules(),
+    "hangup": Rules(),
+    "goto": Rules(dead_end=_needs_next),
+    "subflow": Rules(dead_end=_subflow_dead_end, templates=_subflow_templates),
+    "return": Rules(),
+}
+"""The checks of each node kind, by ``kind``."""

@@ -37,7 +37,7 @@ import yaml
 
 from ivr.config import Settings
 from ivr.flows.loader import load_flow
-from ivr.flows.model import AgentNode, Flow
+from ivr.flows.model import Flow
 from ivr.flows.problems import FlowLoadError
 from ivr.flowtools.testing import (
     Case,
@@ -103,11 +103,10 @@ def flow_copy_data(
 
 def copy_knowledge(flow: Flow, source_dir: Path, target_dir: Path) -> None:
     for node in flow.nodes.values():
-        if isinstance(node, AgentNode):
-            for rel in node.knowledge:
-                dst = target_dir / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source_dir / rel, dst)
+        for rel in node.knowledge_files():
+            dst = target_dir / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source_dir / rel, dst)
 
 
 def copy_subflows(flow: Flow, target_dir: Path) -> None:

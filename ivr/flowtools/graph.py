@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-from ivr.flows.model import AgentNode, AskNode, Flow, MenuNode, Node, SubflowNode
-from ivr.flows.problems import Path_
-from ivr.flows.validate import edges
+from ivr.flows.model import Edge, Flow, SubflowNode
 
 
-def edge_label(node: Node, path: Path_) -> str:
-    field = path[0]
-    if isinstance(node, AskNode) and field == "routes":
-        route = node.routes[int(path[1])]
-        return " / ".join(x for x in (route.intent, route.key) if x)
-    if isinstance(node, MenuNode) and field == "options":
-        return f"key {node.options[int(path[1])].key}"
-    if isinstance(node, AgentNode) and field == "tools":
-        return node.tools[int(path[1])].name
+def edge_label(edge: Edge) -> str:
+    if edge.label is not None:  # the node names the choice (a route, a key, a tool)
+        return edge.label
+    field = edge.path[0]
     if field in ("cases", "exit_when"):
-        return f"case {int(path[1]) + 1}"
+        return f"case {int(edge.path[1]) + 1}"
     return "" if field == "next" else str(field)
 
 
 def _all_edges(flow: Flow) -> list[tuple[str, str, str]]:
-    out = []
-    for name, node in flow.nodes.items():
-        for path, target in edges(node):
-            out.append((name, target, edge_label(node, path)))
-    return out
+    return [
+        (name, edge.target, edge_label(edge))
+        for name, node in flow.nodes.items()
+        for edge in node.targets()
+    ]
 
 
 def _uses_hangup_target(flow: Flow) -> bool:

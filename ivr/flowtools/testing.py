@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ivr.call.io import ListenSpec
 from ivr.flows.events import FlowState
 from ivr.flows.loader import load_flow
-from ivr.flows.model import AgentNode, AskNode, Flow
+from ivr.flows.model import Flow
 from ivr.flows.problems import FlowLoadError, SourceMap
 from ivr.flows.runner import FlowRunner
 from ivr.flows.yamlsource import parse_yaml, pydantic_problems
@@ -237,11 +237,7 @@ def resolve_flow(test_path: Path, ref: str) -> Path:
 
 
 def needs_llm(flow: Flow) -> bool:
-    return any(
-        isinstance(n, AgentNode) or (isinstance(n, AskNode) and (n.classify or n.extract))
-        for f in (flow, *flow.subflows.values())
-        for n in f.nodes.values()
-    )
+    return any(n.uses_llm() for f in (flow, *flow.subflows.values()) for n in f.nodes.values())
 
 
 async def run_test_file(path: Path) -> list[CaseResult]:

@@ -23,8 +23,8 @@ from ivr.call.io import (
     NoInput,
     Spoken,
     Utterance,
-    WarmTransfer,
 )
+from ivr.control.transfers import WarmTransfer
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,12 +54,13 @@ class LanguageModel(Protocol):
         tools: Sequence[ToolSpec] = (),
         json_schema: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        first_output_limit: float | None = None,
     ) -> AsyncIterator[LlmEvent]:
         """Stream the reply: ``TextDelta``s as tokens arrive, then any ``ToolCall``s, complete.
 
         With ``json_schema`` the reply text is constrained to that schema (structured output).
         Raises ``ProviderError`` / ``ProviderTimeout``; the first token must arrive within the
-        provider's first-token timeout.
+        provider's first-token timeout, or ``first_output_limit`` seconds when given.
         """
         ...
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
-from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error, sse_events
+from ivr.providers.openai_http import (
+    OpenAIEndpoint,
+    StageLimits,
+    WaitClock,
+    payload_error,
+    sse_events,
+)
 
 REASONING_OFF: Mapping[str, Any] = {"reasoning_effort": "none"}
 """Thinking off on Cerebras and the Hugging Face router (Gemma 4, GPT-OSS: minimum effort)."""
@@ -45,7 +51,7 @@ class OpenAICompatLlm:
 
     Iterate ``stream_chat`` inside ``contextlib.aclosing`` (or to the end): closing the
     generator closes the HTTP stream, which stops generation on the server. Every failure is a
-    ``ProviderError``; no retries here (they are ``ivr.providers_resilience``'s decision).
+    ``ProviderError``; no retries here (they are ``the kind's resilient wrapper's decision).
     """
 
     def __init__(

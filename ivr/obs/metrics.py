@@ -212,7 +212,7 @@ def start_at_zero(
 
 def count_provider_error(stage: str, provider: str, error: ProviderError) -> None:
     """Count one provider failure, once, where it is handled: retried or failed over (in
-    ivr.providers_resilience), or given up on (by the caller that gets the error)."""
+    ivr.providers.resilience), or given up on (by the caller that gets the error)."""
     PROVIDER_ERRORS.labels(stage, provider, error.kind.value).inc()
 
 

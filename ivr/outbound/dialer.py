@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from ivr.call.status_callbacks import CALL_STATUS_PATH
+from ivr.control.status_callbacks import CALL_STATUS_PATH
 from ivr.errors import IvrError
 from ivr.flows.engine import CALL_VARIABLES
 from ivr.flows.registry import FlowRegistry

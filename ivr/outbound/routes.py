@@ -1,7 +1,7 @@
 """Outbound calls over HTTP: ``POST /calls`` (operators, admin token) and what Twilio asks of a
 call we placed: the answer webhook (``/twilio/outbound``, then the same Media Streams path as an
 inbound call) and the async AMD result (``/twilio/amd``). Twilio's requests must be signed. Its
-call-status callback is every call's (``ivr.call.status_callbacks``): one nobody answered ends
+call-status callback is every call's (``ivr.control.status_callbacks``): one nobody answered ends
 there, as never connected."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ivr import phrases
-from ivr.call.connect import CallParams
-from ivr.call.endings import CallAlreadyEnded, expect_stream
-from ivr.call.tokens import valid_call_sid
-from ivr.call.webhook_auth import signed_form
 from ivr.console.auth import ConsoleAuth
+from ivr.control.connect import CallParams
+from ivr.control.endings import CallAlreadyEnded, expect_stream
+from ivr.control.tokens import valid_call_sid
+from ivr.control.webhook_auth import signed_form
 from ivr.gateway import Gateway
 from ivr.outbound.dialer import (
     AMD_PATH,

@@ -232,7 +232,7 @@ def read_wav_mono(path: Path) -> tuple[bytes, int]:
 
 def default_synthesize(text: str) -> tuple[bytes, int]:
     """The offline espeak-ng voice (imported lazily: only say steps need it)."""
-    from ivr.engines.espeak_tts import synthesize_pcm16
+    from ivr.tts.espeak_local import synthesize_pcm16
 
     return synthesize_pcm16(text)
 

@@ -200,7 +200,7 @@ class CallRecord(BaseModel):
     ``timeline_limit`` are kept. Key presses are stored as the flow stores answers."""
     timeline_limit: int = Field(default=DEFAULT_TIMELINE_LIMIT, ge=1)
     outcome: Outcome | None = None
-    """How the call ended, settled once by whoever ended it (``ivr.call.endings``); None while
+    """How the call ended, settled once by whoever ended it (``ivr.control.endings``); None while
     it goes on, and in records the previous version wrote (``outcome_of`` reads those)."""
     twilio_status: TwilioStatus = ""
     """Twilio's final word on the call (its call-status callback); empty until it comes."""
@@ -385,7 +385,7 @@ class CallStore(Protocol):
 
     async def list_stale(self, written_before: datetime, limit: int = 100) -> list[CallRecord]:
         """Calls not ended whose record was last written before ``written_before``, oldest
-        first: the candidates for an ending nobody wrote (``ivr.call.sweeper``)."""
+        first: the candidates for an ending nobody wrote (``ivr.control.sweeper``)."""
         ...
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...

@@ -1,9 +1,19 @@
-"""The speech-to-text seam: one finished utterance in, its text out."""
+"""The speech-to-text seams.
+
+``SpeechToText``: one finished utterance in, its text out (an upload per utterance: OpenAI's
+``/v1/audio/transcriptions``, the offline whisper). ``StreamingSpeechToText``: one connection per
+call, audio pushed as it arrives, words back as they are heard with the provider's own word on
+the turn (Deepgram live, OpenAI Realtime transcription; issue 24).
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
+
+from ivr.providers.streaming import AudioFormat, TimedWord
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,15 +35,130 @@ class SpeechToText(Protocol):
     sample_rate: int
     """Rate (Hz) the engine wants; the gateway resamples whole utterances to it."""
 
-    async def transcribe(self, pcm16: bytes) -> Transcript:
+    async def transcribe(
+        self, pcm16: bytes, *, first_output_limit: float | None = None
+    ) -> Transcript:
         """Transcribe mono little-endian PCM16 at ``sample_rate``.
 
-        Raises ``ProviderError`` (or ``ProviderTimeout``) on failure.
+        ``first_output_limit``: seconds the answer may take this time, in place of the
+        provider's own limit (a retry or a fallback gets what is left of the stage's budget);
+        None keeps the provider's. Raises ``ProviderError`` (``ProviderTimeout`` past the
+        limit) on failure.
         """
         ...
 
     async def warm(self) -> None:
         """Load what the first call would otherwise wait for (a model); no-op for HTTP."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# ---- streaming ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InterimWords:
+    """The words of the speech in progress as heard so far. They may still change: the next
+    ``InterimWords`` or ``FinalWords`` for the same audio replaces them (Deepgram's results with
+    ``is_final: false``, OpenAI's transcription deltas)."""
+
+    text: str
+    words: tuple[TimedWord, ...] = ()
+    """With their times, when the provider gives them."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinalWords:
+    """Words the provider will not revise: they follow every word final before them
+    (Deepgram's ``is_final: true``, OpenAI's ``transcription.completed``)."""
+
+    text: str
+    words: tuple[TimedWord, ...] = ()
+    last_word_probability: float | None = None
+    """As ``Transcript.last_word_probability``: how sure it is of the last word."""
+
+
+class TurnHintKind(StrEnum):
+    SPEECH_STARTED = "speech_started"
+    """The caller started speaking (Deepgram ``SpeechStarted``, Flux ``StartOfTurn``)."""
+    EAGER_END_OF_TURN = "eager_end_of_turn"
+    """The turn is probably over: worth speculating on (Flux ``EagerEndOfTurn``)."""
+    TURN_RESUMED = "turn_resumed"
+    """The caller went on after an eager end (Flux ``TurnResumed``)."""
+    END_OF_TURN = "end_of_turn"
+    """The provider judges the turn over (Flux ``EndOfTurn``, Deepgram ``speech_final`` or
+    ``UtteranceEnd``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnHint:
+    """The provider's own word on the turn: one more input to the gateway's end-of-turn policy
+    (``ivr.call.turn_end``), measured like the others, never obeyed blindly."""
+
+    kind: TurnHintKind
+    at: float
+    """Seconds from the stream's first audio to where the provider places it."""
+    confidence: float | None = None
+    """The provider's end-of-turn probability (0-1), when it gives one (Flux)."""
+
+
+SttStreamEvent = InterimWords | FinalWords | TurnHint
+
+
+class SpeechToTextSession(Protocol):
+    """One call's live connection to a streaming STT, from the stream's ``start`` to its end.
+
+    Audio goes in as it arrives (``push``, never blocking); events come out by iterating the
+    session, in the order the provider sent them. A connection that drops is reconnected within
+    the call by the implementation; one it cannot bring back ends the iteration with a
+    ``ProviderError``.
+    """
+
+    def push(self, audio: bytes) -> None:
+        """Queue one frame of audio, in the format the session was opened with, to be sent.
+        Never blocks; the queue is bounded and, when full, drops the oldest (counted)."""
+        ...
+
+    def finalize(self) -> None:
+        """Ask for the final words of all the audio pushed so far now, not at the provider's
+        own pause (Deepgram ``Finalize``, OpenAI's buffer commit): the gateway's endpointer
+        says the caller has stopped. Never blocks."""
+        ...
+
+    def end_input(self) -> None:
+        """No more audio: the provider finishes what it has, the iteration ends after its
+        last ``FinalWords``. Never blocks."""
+        ...
+
+    def __aiter__(self) -> AsyncIterator[SttStreamEvent]:
+        """Interim and final words and turn hints, as they come."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connection now (the call is over); what was not final is dropped."""
+        ...
+
+
+class StreamingSpeechToText(Protocol):
+    """A provider that transcribes a call's audio as it is spoken."""
+
+    name: str
+    """Short provider label for metrics and logs (bounded cardinality)."""
+
+    accepts: tuple[AudioFormat, ...]
+    """The formats it takes as they are, preferred first; the gateway sends the phone's
+    mu-law as it arrives when it is one of them (``ivr.providers.streaming.PHONE_AUDIO``)."""
+
+    async def open(
+        self, audio: AudioFormat, *, first_output_limit: float | None = None
+    ) -> SpeechToTextSession:
+        """Connect a session for one call, its audio in ``audio`` (one of ``accepts``), ready
+        within ``first_output_limit`` seconds when given. Raises ``ProviderError``."""
+        ...
+
+    async def warm(self) -> None:
+        """Load or connect what the first call would otherwise wait for; may do nothing."""
         ...
 
     async def aclose(self) -> None: ...

@@ -11,13 +11,13 @@ from typing import Any
 import aiohttp
 
 from ivr.audio.wav import pcm16_to_wav
-from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error
+from ivr.providers.openai_http import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 from ivr.stt.base import Transcript
 
 
 class OpenAIHttpStt:
     """``SpeechToText`` over HTTP. Every failure is a ``ProviderError``; no retries here (they
-    are ``ivr.providers_resilience``'s decision)."""
+    are ``the kind's resilient wrapper's decision)."""
 
     def __init__(
         self,

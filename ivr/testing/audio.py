@@ -25,7 +25,7 @@ def voiced_seconds(wav: bytes, threshold_db: float = -40.0) -> float:
 async def piper_voice(texts: Iterable[str]) -> Callable[[str], tuple[bytes, int]]:
     """A caller voice for benchmarks that whisper hears well: each of ``texts`` rendered by
     the offline piper engine up front (``synthesize(text) -> (PCM16, rate)`` looks it up)."""
-    from ivr.engines.piper_tts import LocalPiperTts  # loads onnxruntime: only when asked
+    from ivr.tts.piper_local import LocalPiperTts  # loads onnxruntime: only when asked
 
     tts = LocalPiperTts()
     try:

@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack
 
 import aiohttp
 
-from ivr.openai_calls import OpenAIEndpoint, StageLimits, WaitClock, payload_error
+from ivr.providers.openai_http import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 
 # A JSON error or an HTML proxy page served with status 200 is not audio, whatever its bytes.
 _NOT_AUDIO = ("application/json", "text/")
@@ -26,7 +26,7 @@ class OpenAIHttpTts:
 
     Iterate ``synthesize`` inside ``contextlib.aclosing`` or cancel its task: either closes
     the HTTP response, so the server stops synthesising (barge-in). Every failure is a
-    ``ProviderError``; no retries here (they are ``ivr.providers_resilience``'s decision).
+    ``ProviderError``; no retries here (they are ``the kind's resilient wrapper's decision).
     """
 
     def __init__(

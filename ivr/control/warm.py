@@ -25,10 +25,10 @@ from typing import Any
 
 import structlog
 
-from ivr.call.connect import CallParams, StreamConnector
-from ivr.call.endings import settle
-from ivr.call.session import CallEnd
-from ivr.call.warm_summary import SUMMARY_TIMEOUT, write_summary
+from ivr.control.connect import CallParams, StreamConnector
+from ivr.control.endings import settle
+from ivr.control.transfers import WarmTransfer
+from ivr.control.warm_summary import SUMMARY_TIMEOUT, write_summary
 from ivr.llm.base import LanguageModel
 from ivr.obs import metrics
 from ivr.state.base import CallRecord, CallStatus, CallStore, StoreError, WarmTransferLeg
@@ -84,15 +84,16 @@ class WarmTransfers:
 
     # -- 1. the stream side ----------------------------------------------------------------
 
-    async def hold(self, call_sid: str, end: CallEnd, receive: asyncio.Task[Any]) -> bool:
-        """Put the caller on hold in the conference and start dialling the agent. False: the
-        caller could not be redirected (the ``<Connect action>`` then dials cold)."""
-        warm = end.warm
-        assert warm is not None
+    async def hold(
+        self, call_sid: str, number: str, warm: WarmTransfer, receive: asyncio.Task[Any]
+    ) -> bool:
+        """Put the caller on hold in the conference and start dialling the agent at
+        ``number``. False: the caller could not be redirected (the ``<Connect action>`` then
+        dials cold)."""
         room = room_name(call_sid)
 
         def decide(record: CallRecord) -> None:
-            record.end_action, record.transfer_to = "transfer", end.number
+            record.end_action, record.transfer_to = "transfer", number
             record.status = CallStatus.TRANSFERRING
             record.warm_transfer = WarmTransferLeg(room=room)
 
@@ -110,7 +111,7 @@ class WarmTransfers:
         metrics.WARM_TRANSFERS.labels("held").inc()
         log.info("warm_transfer.holding", room=room)
         await asyncio.wait({receive}, timeout=REDIRECT_STOP_TIMEOUT)
-        self._own(call_sid, self._dial_agent(record, end))
+        self._own(call_sid, self._dial_agent(record, number, warm))
         return True
 
     async def _forget_leg(self, call_sid: str) -> None:
@@ -124,9 +125,7 @@ class WarmTransfers:
 
     # -- 2. the agent leg ------------------------------------------------------------------
 
-    async def _dial_agent(self, record: CallRecord, end: CallEnd) -> None:
-        warm = end.warm
-        assert warm is not None
+    async def _dial_agent(self, record: CallRecord, number: str, warm: WarmTransfer) -> None:
         call_sid = record.call_sid
         summary = await write_summary(warm, self._llm, limit=self._summary_timeout)
         log.info(
@@ -140,7 +139,7 @@ class WarmTransfers:
         events_url = self._callback(CONFERENCE_STATUS_PATH, call_sid)
         twiml = agent_twiml(leg.room, summary.text, status_callback=events_url)
         call = NewCall(
-            to=end.number,
+            to=number,
             from_=record.to_number,  # the number the caller dialled: ours, so Twilio allows it
             url="",
             twiml=twiml,

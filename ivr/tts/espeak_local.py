@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ivr.errors import ProviderError
+from ivr.providers.resilience import first_within
 
 _NAME = "espeak_local"
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -118,7 +119,13 @@ class LocalEspeakTts:
         engine = await asyncio.to_thread(_espeak)
         self.sample_rate = engine.sample_rate
 
-    async def synthesize(self, text: str) -> AsyncIterator[bytes]:
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The whole text in one chunk, within ``first_output_limit`` when given."""
+        return first_within(_NAME, first_output_limit, self._synthesize(text))
+
+    async def _synthesize(self, text: str) -> AsyncIterator[bytes]:
         if not text.strip():
             return
         pcm, rate = await asyncio.to_thread(

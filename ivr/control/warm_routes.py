@@ -8,10 +8,9 @@ from collections.abc import Awaitable, Callable, Mapping
 import structlog
 from fastapi import APIRouter, Request, Response
 
-from ivr.call.services import CallServices
-from ivr.call.tokens import valid_call_sid
-from ivr.call.warm import AGENT_STATUS_PATH, CONFERENCE_STATUS_PATH, WarmTransfers
-from ivr.call.webhook_auth import signed_form
+from ivr.control.tokens import valid_call_sid
+from ivr.control.warm import AGENT_STATUS_PATH, CONFERENCE_STATUS_PATH, WarmTransfers
+from ivr.control.webhook_auth import StreamAuth, signed_form
 from ivr.state.base import CallNotFound, StoreError
 
 log = structlog.get_logger("ivr.warm_transfer")
@@ -19,28 +18,30 @@ log = structlog.get_logger("ivr.warm_transfer")
 Handler = Callable[[WarmTransfers, str, Mapping[str, str]], Awaitable[None]]
 
 
-def warm_transfer_router(services: CallServices) -> APIRouter:
+def warm_transfer_router(auth: StreamAuth, warm: WarmTransfers | None) -> APIRouter:
+    """``warm``: None on an instance without REST credentials (it starts no warm transfers)."""
     router = APIRouter()
 
     @router.post(AGENT_STATUS_PATH)
     async def agent_status(request: Request) -> Response:
-        return await _callback(request, services, WarmTransfers.on_agent_status)
+        return await _callback(request, auth, warm, WarmTransfers.on_agent_status)
 
     @router.post(CONFERENCE_STATUS_PATH)
     async def conference_event(request: Request) -> Response:
-        return await _callback(request, services, WarmTransfers.on_conference_event)
+        return await _callback(request, auth, warm, WarmTransfers.on_conference_event)
 
     return router
 
 
-async def _callback(request: Request, services: CallServices, handle: Handler) -> Response:
-    form = await signed_form(request, services.auth)
+async def _callback(
+    request: Request, auth: StreamAuth, warm: WarmTransfers | None, handle: Handler
+) -> Response:
+    form = await signed_form(request, auth)
     if form is None:
         return Response("invalid signature", status_code=403)
     caller = request.query_params.get("caller", "")
     if not valid_call_sid(caller):
         return Response("the callback URL names no caller CallSid", status_code=400)
-    warm = services.warm
     if warm is None:  # only an instance with REST credentials starts warm transfers
         return Response("warm transfers need TWILIO_ACCOUNT_SID", status_code=404)
     try:

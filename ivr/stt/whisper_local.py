@@ -140,7 +140,11 @@ class LocalWhisperStt:
                     self._executor, _load_model, self._cpu_threads
                 )
 
-    async def transcribe(self, pcm16: bytes) -> Transcript:
+    async def transcribe(
+        self, pcm16: bytes, *, first_output_limit: float | None = None
+    ) -> Transcript:
+        """``first_output_limit`` replaces ``timeout_s`` for this call."""
+        limit = self._timeout_s if first_output_limit is None else first_output_limit
         audio = pcm16_to_float32(pcm16)
         if audio.size == 0:
             return Transcript(text="", seconds=0.0)
@@ -150,9 +154,9 @@ class LocalWhisperStt:
         job = loop.run_in_executor(self._executor, self._decode, audio)
         try:
             # The timeout includes time queued behind other calls: that is what the caller waits.
-            text, last_word = await asyncio.wait_for(job, self._timeout_s)
+            text, last_word = await asyncio.wait_for(job, limit)
         except TimeoutError:
-            raise ProviderTimeout(_NAME, self._timeout_s) from None
+            raise ProviderTimeout(_NAME, limit) from None
         except Exception as exc:
             raise ProviderError(_NAME, f"decode failed: {exc!r}") from exc
         return Transcript(

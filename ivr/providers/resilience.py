@@ -1,4 +1,6 @@
-"""Retries and fallback providers for the three seams, in one loop (``first_output``).
+"""Retries and fallback providers for every provider kind, in one loop (``first_output``); each
+kind's wrapper (``ivr.stt.resilient``, ``ivr.tts.resilient``, ``ivr.llm.resilient``) runs its
+stage calls through it.
 
 A stage call (one transcription, one reply, one sentence of speech) tries the primary provider,
 retries it once on a retryable error, then tries each fallback, all before the first output
@@ -21,15 +23,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from ivr.errors import ProviderError, ProviderStatusError
-from ivr.llm.base import ChatMessage, LlmEvent, ToolSpec
+from ivr.errors import ConfigError, ProviderError, ProviderStatusError, ProviderTimeout
 from ivr.obs.metrics import count_provider_error
-from ivr.stt.base import Transcript
 
 log = structlog.get_logger("ivr.providers")
 
@@ -62,6 +62,12 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.budget <= 0 or self.min_attempt <= 0 or self.retries < 0:
             raise ValueError(f"RetryPolicy needs positive times and retries >= 0: {self}")
+
+    def limited(self, first_output_limit: float | None) -> RetryPolicy:
+        """This policy with ``first_output_limit`` (when given) as its budget."""
+        if first_output_limit is None:
+            return self
+        return replace(self, budget=first_output_limit)
 
     def reserve(self, later: int) -> float:
         """Time a provider leaves for the ``later`` fallbacks after it."""
@@ -108,7 +114,7 @@ async def first_output(
             except StopAsyncIteration:
                 return  # done without output (nothing to say): not a failure
             except ProviderError as exc:
-                await _aclose(attempt)
+                await aclose_stream(attempt)
                 pending, tries = exc, tries + 1
                 continue
             try:
@@ -116,7 +122,7 @@ async def first_output(
                 async for item in attempt:
                     yield item
             finally:
-                await _aclose(attempt)
+                await aclose_stream(attempt)
             return
     assert pending is not None, "first_output needs at least one provider"
     raise pending
@@ -147,66 +153,37 @@ def _recovering(
     )
 
 
-async def _aclose(stream: AsyncIterator[Any]) -> None:
+async def aclose_stream(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
 
 
-# ---- the seams, wrapped ---------------------------------------------------------------------
+async def first_within(
+    provider: str, limit: float | None, stream: AsyncIterator[T]
+) -> AsyncIterator[T]:
+    """``stream``, whose first item must come within ``limit`` seconds (None: no limit), or
+    ``ProviderTimeout``: the first-output limit of an engine that has none of its own."""
+    try:
+        timer = asyncio.timeout(limit)
+        try:
+            async with timer:
+                first = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if limit is not None and timer.expired():
+                raise ProviderTimeout(provider, limit, phase="first output") from None
+            raise
+        yield first
+        async for item in stream:
+            yield item
+    finally:
+        await aclose_stream(stream)
 
 
-class TimedSpeechToText(Protocol):
-    """A ``SpeechToText`` that takes a per-call limit (``OpenAIHttpStt``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def sample_rate(self) -> int: ...
-    async def transcribe(
-        self, pcm16: bytes, *, first_output_limit: float | None = None
-    ) -> Transcript: ...
-    async def warm(self) -> None: ...
-    async def aclose(self) -> None: ...
-
-
-class TimedTextToSpeech(Protocol):
-    """A ``TextToSpeech`` that takes a per-call first-byte limit (``OpenAIHttpTts``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def sample_rate(self) -> int: ...
-    @property
-    def voice(self) -> str: ...
-    def synthesize(
-        self, text: str, *, first_output_limit: float | None = None
-    ) -> AsyncIterator[bytes]: ...
-    async def warm(self) -> None: ...
-    async def aclose(self) -> None: ...
-
-
-class TimedLanguageModel(Protocol):
-    """A ``LanguageModel`` that takes a per-call first-token limit (``OpenAICompatLlm``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    def stream_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        json_schema: dict[str, Any] | None = None,
-        max_tokens: int | None = None,
-        first_output_limit: float | None = None,
-    ) -> AsyncIterator[LlmEvent]: ...
-    async def start(self) -> None: ...
-    async def aclose(self) -> None: ...
-
-
-def _check(stage: str, providers: Sequence[Any], same: str | None = None) -> None:
+def check_providers(stage: str, providers: Sequence[Any], same: str | None = None) -> None:
+    """A wrapper needs a provider, and ``same`` (an attribute) alike in all of them."""
     if not providers:
         raise ValueError(f"{stage}: at least one provider is needed")
     # The caller resamples by the wrapper's rate, so a fallback at another rate would be garbled.
@@ -214,96 +191,10 @@ def _check(stage: str, providers: Sequence[Any], same: str | None = None) -> Non
         raise ValueError(f"{stage}: every provider must have the same {same}, got {values}")
 
 
-class ResilientStt:
-    """``SpeechToText``: the primary, then the fallbacks, with retries, within one budget."""
-
-    def __init__(self, providers: Sequence[TimedSpeechToText], policy: RetryPolicy) -> None:
-        _check("stt", providers, "sample_rate")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
-        self.sample_rate = providers[0].sample_rate
-
-    async def transcribe(self, pcm16: bytes) -> Transcript:
-        async def attempt(stt: TimedSpeechToText, limit: float) -> AsyncIterator[Transcript]:
-            yield await stt.transcribe(pcm16, first_output_limit=limit)
-
-        answers = first_output("stt", self.providers, attempt, self.policy)
-        try:
-            return await anext(answers)
-        finally:
-            await _aclose(answers)
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()
-
-
-class ResilientTts:
-    """``TextToSpeech``: the primary, then the fallbacks, with retries, until the first audio
-    byte; never a retry after it (the caller may already be hearing the sentence)."""
-
-    def __init__(self, providers: Sequence[TimedTextToSpeech], policy: RetryPolicy) -> None:
-        _check("tts", providers, "sample_rate")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
-        self.sample_rate = providers[0].sample_rate
-        self.voice = providers[0].voice
-
-    def synthesize(self, text: str) -> AsyncIterator[bytes]:
-        def attempt(tts: TimedTextToSpeech, limit: float) -> AsyncIterator[bytes]:
-            return tts.synthesize(text, first_output_limit=limit)
-
-        return first_output("tts", self.providers, attempt, self.policy)
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()
-
-
-class ResilientLlm:
-    """``LanguageModel``: the primary, then the fallbacks, with retries, until the first event;
-    never a retry after it."""
-
-    def __init__(self, providers: Sequence[TimedLanguageModel], policy: RetryPolicy) -> None:
-        _check("llm", providers)
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
-        self.model = providers[0].model
-
-    def stream_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        json_schema: dict[str, Any] | None = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[LlmEvent]:
-        def attempt(llm: TimedLanguageModel, limit: float) -> AsyncIterator[LlmEvent]:
-            return llm.stream_chat(
-                messages,
-                tools=tools,
-                json_schema=json_schema,
-                max_tokens=max_tokens,
-                first_output_limit=limit,
-            )
-
-        return first_output("llm", self.providers, attempt, self.policy)
-
-    async def start(self) -> None:
-        for provider in self.providers:
-            await provider.start()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()
+def refuse_fallback(stage: str, fallback_url: str) -> None:
+    """A fallback URL set for an offline engine is a mistake in the settings: say so."""
+    if fallback_url:
+        raise ConfigError(
+            f"IVR_{stage}_FALLBACK_BASE_URL is set but IVR_{stage}_PROVIDER is an offline engine: "
+            f"a fallback backs up an OpenAI-compatible provider (IVR_{stage}_PROVIDER=openai)"
+        )

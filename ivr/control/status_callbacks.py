@@ -4,7 +4,7 @@
 gateway sets it on the calls it places too). Of Twilio's statuses only the final ones matter:
 ``completed``, ``busy``, ``no-answer``, ``failed``, ``canceled``. The first to arrive is kept in
 the record with ``CallDuration`` (the seconds Twilio billed); if nothing here has ended the call
-yet, it ends now, with the outcome the record implies (``ivr.call.endings.when_twilio_ended``).
+yet, it ends now, with the outcome the record implies (``ivr.control.endings.when_twilio_ended``).
 
 ``POST /twilio/stream-status`` is the ``<Stream statusCallback>`` every stream's TwiML asks for:
 ``stream-started``, ``stream-stopped`` and ``stream-error`` with Twilio's ``StreamError`` (the
@@ -27,11 +27,10 @@ from typing import Final, get_args
 import structlog
 from fastapi import APIRouter, Request, Response
 
-from ivr.call.connect import STREAM_STATUS_PATH
-from ivr.call.endings import settle, when_twilio_ended
-from ivr.call.services import CallServices
-from ivr.call.tokens import valid_call_sid
-from ivr.call.webhook_auth import signed_form
+from ivr.control.connect import STREAM_STATUS_PATH
+from ivr.control.endings import settle, when_twilio_ended
+from ivr.control.tokens import valid_call_sid
+from ivr.control.webhook_auth import StreamAuth, signed_form
 from ivr.obs import metrics
 from ivr.state.base import CallNotFound, CallRecord, CallStore, StoreError, TwilioStatus
 
@@ -110,28 +109,30 @@ async def on_stream_status(store: CallStore, form: Mapping[str, str]) -> None:
         return
 
 
-def status_callbacks_router(services: CallServices) -> APIRouter:
+def status_callbacks_router(store: CallStore, auth: StreamAuth) -> APIRouter:
     router = APIRouter()
 
     async def call_status(request: Request) -> Response:
-        return await _answer(request, services, on_call_status)
+        return await _answer(request, store, auth, on_call_status)
 
     router.add_api_route(CALL_STATUS_PATH, call_status, methods=["POST"])
     router.add_api_route(OUTBOUND_STATUS_PATH, call_status, methods=["POST"])
 
     @router.post(STREAM_STATUS_PATH)
     async def stream_status(request: Request) -> Response:
-        return await _answer(request, services, on_stream_status)
+        return await _answer(request, store, auth, on_stream_status)
 
     return router
 
 
-async def _answer(request: Request, services: CallServices, handle: Handler) -> Response:
-    form = await signed_form(request, services.auth)
+async def _answer(
+    request: Request, store: CallStore, auth: StreamAuth, handle: Handler
+) -> Response:
+    form = await signed_form(request, auth)
     if form is None:
         return Response("invalid signature", status_code=403)
     try:
-        await handle(services.store, form)
+        await handle(store, form)
     except BadCallback as exc:
         return Response(str(exc), status_code=400)
     except StoreError as exc:  # unreachable: Twilio's word is lost, the sweep still ends it

@@ -3,7 +3,7 @@ that lands on an instance without the call's record can rebuild from it.
 
 Every stream Twilio opens for us comes from here: the voice webhook's first stream, the
 ``<Connect action>``'s resumed stream, and the drain's planned move (a REST redirect). The
-stream URL carries a signed one-use token (``ivr.call.tokens``); the ``<Parameter>``s carry
+stream URL carries a signed one-use token (``ivr.control.tokens``); the ``<Parameter>``s carry
 what an instance needs to carry a call it has no record of (Redis unreachable): the numbers and
 the pinned flow. The action URL's query carries the flow and the stream count, so the action
 request can be answered without the record too. Every stream asks for Twilio's status callback,
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from ivr.call.tokens import StreamTokens, issue
+from ivr.control.tokens import StreamTokens, issue
 from ivr.state.base import CallRecord, CallStatus, CallStore
 from ivr.telephony import twilio
 from ivr.telephony.twilio import Start

@@ -5,7 +5,7 @@ that sets ``outcome`` (with ``ended_at`` and the final status) only when nobody 
 ending is logged (``call.ended``) and counted (``ivr_calls_total{outcome}``) exactly once across
 instances, by whichever ends it first: its stream's teardown, the ``<Connect action>`` request,
 Twilio's call-status callback, a warm transfer's callbacks, the webhook's overflow answer, or
-the sweep of calls that never connected or were dropped and not resumed (``ivr.call.sweeper``).
+the sweep of calls that never connected or were dropped and not resumed (``ivr.control.sweeper``).
 The update may run more than once (a lost version race re-runs it on the newer record), so what
 it decides depends only on the record it is given.
 """
@@ -18,8 +18,7 @@ from datetime import UTC, datetime
 
 import structlog
 
-from ivr.call.summary import log_summary
-from ivr.call.turns import CallStats
+from ivr.control.summary import StreamStats, log_summary
 from ivr.obs import metrics
 from ivr.state.base import (
     CallExists,
@@ -51,7 +50,7 @@ async def settle(
     status: CallStatus = CallStatus.ENDED,
     also: Mutator | None = None,
     when: Callable[[CallRecord], bool] | None = None,
-    stats: CallStats | None = None,
+    stats: StreamStats | None = None,
     started: float | None = None,
 ) -> Settled:
     """End ``call_sid`` with ``outcome`` (or what it says for the record as stored) unless its
@@ -84,7 +83,7 @@ def announce(
     outcome: Outcome,
     *,
     by: str,
-    stats: CallStats | None = None,
+    stats: StreamStats | None = None,
     started: float | None = None,
 ) -> None:
     """The ``call.ended`` line and ``ivr_calls_total{outcome}``: once per call."""

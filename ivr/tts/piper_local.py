@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ivr.errors import ProviderError
+from ivr.providers.resilience import first_within
 
 _NAME = "piper_local"
 _VOICE = "en_US-joe-medium"
@@ -110,7 +111,13 @@ class LocalPiperTts:
                 self._voice = await loop.run_in_executor(self._executor, _load_voice, self._threads)
                 self.sample_rate = int(self._voice.config.sample_rate)
 
-    async def synthesize(self, text: str) -> AsyncIterator[bytes]:
+    def synthesize(
+        self, text: str, *, first_output_limit: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The first piece (loading the voice included) within ``first_output_limit``."""
+        return first_within(_NAME, first_output_limit, self._synthesize(text))
+
+    async def _synthesize(self, text: str) -> AsyncIterator[bytes]:
         if not text.strip():
             return
         await self.warm()

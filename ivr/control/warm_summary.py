@@ -15,7 +15,7 @@ from typing import Literal
 
 import structlog
 
-from ivr.call.io import WarmTransfer
+from ivr.control.transfers import WarmTransfer
 from ivr.errors import ProviderError
 from ivr.llm.base import ChatMessage, LanguageModel, TextDelta
 from ivr.obs.metrics import count_provider_error

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import structlog
 from starlette.requests import Request
 
-from ivr.call.services import StreamAuth
+from ivr.telephony.twilio import SignatureChecker
 
 log = structlog.get_logger("ivr.webhook")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAuth:
+    """Who may open a media stream."""
+
+    signatures: SignatureChecker | None
+    """Checks ``X-Twilio-Signature``; None when no auth token is configured."""
+    allow_unsigned: bool = False
+    """Development only: with no auth token, accept unsigned streams instead of refusing."""
+
+    @property
+    def accepts_unsigned(self) -> bool:
+        return self.signatures is None and self.allow_unsigned
 
 
 async def signed_form(request: Request, auth: StreamAuth) -> dict[str, str] | None:

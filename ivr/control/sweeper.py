@@ -4,7 +4,7 @@ A call waits for a stream twice: after the webhook answered it (status ``ringing
 its stream dropped without ``stop`` (``reconnecting``: Twilio asks the ``<Connect action>``
 URL, which hands out a new stream). Either wait is bounded: a stream can connect only with a
 token, which expires (``IVR_STREAM_TOKEN_TTL_S``); every new token is preceded by a write of
-the record (``ivr.call.endings.expect_stream``), so a call whose record has not been written
+the record (``ivr.control.endings.expect_stream``), so a call whose record has not been written
 since longer than a token lives can no longer get a stream. Then it ends:
 
 - ``ringing``, no stream ever: ``never_connected`` once its token is past (plus the clock skew
@@ -29,8 +29,8 @@ from datetime import UTC, datetime, timedelta
 
 import structlog
 
-from ivr.call.endings import settle
 from ivr.config import CLOCK_SKEW_S
+from ivr.control.endings import settle
 from ivr.state.base import CallRecord, CallStatus, CallStore, StoreError
 from ivr.state.outcomes import Outcome
 from ivr.state.resilient import ResilientCallStore

@@ -1,6 +1,6 @@
 """One summary log line per call (structlog's canonical log line): the call at a glance.
 
-``call.ended`` is written once per call, by whoever settled how it ended (``ivr.call.endings``:
+``call.ended`` is written once per call, by whoever settled how it ended (``ivr.control.endings``:
 its stream, Twilio's status callback, the sweep of calls that never connected or were dropped);
 a stream that ends while its call goes on (it resumes on a new stream) writes
 ``call.stream_ended``. Latencies cover every turn in the call record, so a call resumed
@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from ivr.call.turns import CallStats
 from ivr.state.base import CallRecord
 
 log = structlog.get_logger("ivr.call")
+
+
+class StreamStats(Protocol):
+    """What one stream counted (``ivr.call.turns.CallStats``)."""
+
+    @property
+    def barge_ins(self) -> int: ...
+    @property
+    def provider_errors(self) -> int: ...
+
 
 STAGES = ("heard", "total", "gateway")
 """Per-turn latencies summarised (see TurnTimings.breakdown)."""
@@ -33,7 +42,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(
-    record: CallRecord | None, stats: CallStats | None, *, outcome: str, started: float | None
+    record: CallRecord | None, stats: StreamStats | None, *, outcome: str, started: float | None
 ) -> dict[str, Any]:
     """The fields of the summary line; ``record`` as last stored (None if unknown), ``started``
     the monotonic time this stream started (None: ended without a stream here)."""
@@ -64,7 +73,7 @@ def summary(
 
 def log_summary(
     record: CallRecord | None,
-    stats: CallStats | None,
+    stats: StreamStats | None,
     *,
     outcome: str,
     final: bool,

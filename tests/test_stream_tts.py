@@ -147,3 +147,31 @@ async def test_cartesia_replies_share_one_warm_socket() -> None:
         assert len(server.connections) == 1
         contexts = {m["context_id"] for m in server.last().json_received()}
         assert len(contexts) == 3  # one context per reply
+
+
+async def test_failover_before_first_audio_replays_the_text() -> None:
+    from ivr.providers.resilience import RetryPolicy
+    from ivr.tts.resilient_stream import ResilientStreamingTts
+
+    async with (
+        FakeCartesiaServer(api_key=KEY) as cartesia,
+        FakeElevenLabsServer(api_key=KEY) as eleven,
+    ):
+        cartesia.faults = [WsFault(after=0, then="stall")]  # no first audio
+        eleven.script = TtsScript(first_audio=0.05, speed=0)
+        primary = tts(cartesia, first_audio_timeout=0.5)
+        fallback = tts(eleven)
+        resilient = ResilientStreamingTts(
+            [primary, fallback], RetryPolicy(budget=1.5, min_attempt=0.4)
+        )
+        session = await resilient.open()
+        session.push_text("Your bike ")
+        session.push_text("is ready. ")
+        session.end_input()
+        started = time.monotonic()
+        words = [w.text for part in [p async for p in session] for w in part.words]
+        elapsed = time.monotonic() - started
+        await session.aclose()
+        await resilient.aclose()
+    assert words == ["Your", "bike", "is", "ready."] and session.provider == "elevenlabs"
+    assert elapsed < 1.5  # within the stage budget

@@ -39,7 +39,7 @@ _CLOSE = json.dumps({"type": "CloseStream"})
 class DeepgramStt:
     """``StreamingSpeechToText`` over Deepgram: Nova (``flux=False``) or Flux."""
 
-    accepts = (PHONE_AUDIO,)
+    accepts: tuple[AudioFormat, ...] = (PHONE_AUDIO,)
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ _EMPTY_COMMIT = "input_audio_buffer_commit_empty"
 class OpenAIRealtimeStt:
     """``StreamingSpeechToText`` over an OpenAI Realtime transcription session."""
 
-    accepts = (PHONE_AUDIO,)
+    accepts: tuple[AudioFormat, ...] = (PHONE_AUDIO,)
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ BYTES_PER_SECOND = 8000  # the phone's mu-law
 class ResilientStreamingStt:
     """``StreamingSpeechToText`` over a primary and its fallbacks (see the module docstring)."""
 
-    accepts = (PHONE_AUDIO,)
+    accepts: tuple[AudioFormat, ...] = (PHONE_AUDIO,)
 
     def __init__(self, providers: Sequence[StreamingSpeechToText], policy: RetryPolicy) -> None:
         if not providers or any(PHONE_AUDIO not in p.accepts for p in providers):
@@ -184,7 +184,7 @@ class BatchSttStream:
     """A batch ``SpeechToText`` as a streaming provider, for a fallback: each ``finalize()``
     uploads the audio since the last one (no interim words, no turn hints)."""
 
-    accepts = (PHONE_AUDIO,)
+    accepts: tuple[AudioFormat, ...] = (PHONE_AUDIO,)
 
     def __init__(self, stt: SpeechToText) -> None:
         self.stt = stt

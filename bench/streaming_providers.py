@@ -104,9 +104,8 @@ async def main() -> None:
     print("STT: time from the end of speech to the final words (scripted 150 ms)")
     for kind in ("deepgram", "deepgram-flux", "openai-realtime"):
         waits = await stt_turns(kind, args.turns)
-        print(
-            f"  {kind:16} p50 {statistics.median(waits) * 1000:5.0f} ms  max {max(waits) * 1000:5.0f} ms"
-        )
+        p50, worst = statistics.median(waits) * 1000, max(waits) * 1000
+        print(f"  {kind:16} p50 {p50:5.0f} ms  max {worst:5.0f} ms")
     print("TTS: time from the text to the first audio (scripted 120 ms); adapter CPU")
     for kind in ("cartesia", "elevenlabs"):
         firsts, cpu = await tts_replies(kind, args.turns)

@@ -40,8 +40,10 @@ CLOCK_SKEW_S = 5.0
 
 # Provider names (IVR_STT_PROVIDER, IVR_TTS_PROVIDER), built by each kind's room (ivr/stt/build.py,
 # ivr/tts/build.py). A name not listed offline is a cloud provider, with cloud limits.
-SttProviderName = Literal["local", "openai"]
-TtsProviderName = Literal["piper", "espeak", "openai"]
+SttProviderName = Literal["local", "openai", "deepgram", "deepgram-flux", "openai-realtime"]
+TtsProviderName = Literal["piper", "espeak", "openai", "cartesia", "elevenlabs"]
+STREAMING_STT: frozenset[str] = frozenset({"deepgram", "deepgram-flux", "openai-realtime"})
+STREAMING_TTS: frozenset[str] = frozenset({"cartesia", "elevenlabs"})
 OFFLINE_STT: frozenset[str] = frozenset({"local"})
 OFFLINE_TTS: frozenset[str] = frozenset({"piper", "espeak"})
 
@@ -99,7 +101,36 @@ class Settings(BaseSettings):
     # to the decoder as its initial prompt; it fixes many misheard short answers.
     stt_prompt: str = ""
 
+    # Streaming STT (IVR_STT_PROVIDER=deepgram | deepgram-flux | openai-realtime): one socket per
+    # call, the caller's mu-law as it arrives. openai-realtime uses IVR_STT_API_KEY.
+    deepgram_api_key: str = Field(
+        "", validation_alias=AliasChoices("IVR_DEEPGRAM_API_KEY", "DEEPGRAM_API_KEY")
+    )
+    deepgram_url: str = "wss://api.deepgram.com"
+    deepgram_model: str = "nova-3"
+    deepgram_flux_model: str = "flux-general-en"
+    # Flux: EagerEndOfTurn at this end-of-turn confidence (empty: off), EndOfTurn at eot.
+    deepgram_eager_eot_threshold: float | None = Field(None, ge=0.3, le=0.9)
+    deepgram_eot_threshold: float = Field(0.7, ge=0.5, le=1.0)
+    deepgram_keyterms: str = ""
+    """Comma-separated words to boost (Nova-3 and Flux keyterm prompting)."""
+    stt_realtime_url: str = "wss://api.openai.com/v1/realtime"
+    stt_realtime_model: str = "gpt-4o-transcribe"
+
     tts_provider: TtsProviderName = "piper"
+    # Streaming TTS (IVR_TTS_PROVIDER=cartesia | elevenlabs): 8 kHz mu-law, no resampling.
+    cartesia_api_key: str = Field(
+        "", validation_alias=AliasChoices("IVR_CARTESIA_API_KEY", "CARTESIA_API_KEY")
+    )
+    cartesia_url: str = "wss://api.cartesia.ai/tts/websocket"
+    cartesia_model: str = "sonic-2"
+    cartesia_voice: str = ""
+    elevenlabs_api_key: str = Field(
+        "", validation_alias=AliasChoices("IVR_ELEVENLABS_API_KEY", "ELEVENLABS_API_KEY")
+    )
+    elevenlabs_url: str = "wss://api.elevenlabs.io"
+    elevenlabs_model: str = "eleven_flash_v2_5"
+    elevenlabs_voice: str = ""
     tts_base_url: str = "https://api.openai.com/v1"
     tts_api_key: str = ""
     tts_model: str = "tts-1"

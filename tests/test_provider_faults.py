@@ -17,7 +17,7 @@ from typing import Any, get_args
 import pytest
 from prometheus_client import REGISTRY
 
-from ivr.config import Settings, SttProviderName, TtsProviderName
+from ivr.config import STREAMING_STT, STREAMING_TTS, Settings, SttProviderName, TtsProviderName
 from ivr.errors import ConfigError, ProviderError, ProviderErrorKind, ProviderStatusError
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta
 from ivr.llm.build import build_llm
@@ -26,12 +26,12 @@ from ivr.llm.resilient import ResilientLlm
 from ivr.providers.openai_http import StageLimits, retry_after
 from ivr.providers.resilience import RetryPolicy, turn_deadline
 from ivr.stt.build import BUILDERS as stt_builders
-from ivr.stt.build import build_stt
+from ivr.stt.build import build_streaming_stt, build_stt
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.stt.resilient import ResilientStt
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault, sse_body
 from ivr.tts.build import BUILDERS as tts_builders
-from ivr.tts.build import build_tts
+from ivr.tts.build import build_streaming_tts, build_tts
 from ivr.tts.openai_http import OpenAIHttpTts
 from ivr.tts.resilient import ResilientTts
 
@@ -546,8 +546,31 @@ def test_every_provider_name_the_settings_take_has_a_builder() -> None:
     assert set(get_args(SttProviderName)) == set(stt_builders)
     assert set(get_args(TtsProviderName)) == set(tts_builders)
     built = {name: build_stt(Settings(_env_file=None, stt_provider=name)).name  # type: ignore[call-arg]
-             for name in stt_builders}  # fmt: skip
+             for name in stt_builders if name not in STREAMING_STT}  # fmt: skip
     assert built == {"local": "whisper_local", "openai": "openai_stt"}
+    keys = {"deepgram_api_key": "dg", "stt_api_key": "sk", "cartesia_api_key": "c",
+            "cartesia_voice": "v", "elevenlabs_api_key": "e", "elevenlabs_voice": "v"}  # fmt: skip
+
+    def settings(**values: str) -> Settings:
+        return Settings(_env_file=None, **keys, **values)  # type: ignore[call-arg, arg-type]
+
+    streaming = {
+        name: getattr(build_streaming_stt(settings(stt_provider=name)), "name", None)
+        for name in get_args(SttProviderName)
+    }
+    assert streaming == {
+        "local": None, "openai": None, "deepgram": "deepgram",
+        "deepgram-flux": "deepgram_flux", "openai-realtime": "openai_realtime",
+    }  # fmt: skip
+    voices = {
+        name: getattr(build_streaming_tts(settings(tts_provider=name)), "name", None)
+        for name in STREAMING_TTS
+    }
+    assert voices == {"cartesia": "cartesia", "elevenlabs": "elevenlabs"}
+    with pytest.raises(ConfigError, match="DEEPGRAM_API_KEY"):
+        build_streaming_stt(Settings(_env_file=None, stt_provider="deepgram"))  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="streaming provider"):
+        build_tts(Settings(_env_file=None, tts_provider="cartesia"))  # type: ignore[call-arg]
 
 
 def test_a_fallback_for_an_offline_engine_is_refused_at_startup() -> None:

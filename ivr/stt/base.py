@@ -71,12 +71,20 @@ class InterimWords:
 @dataclass(frozen=True, slots=True)
 class FinalWords:
     """Words the provider will not revise: they follow every word final before them
-    (Deepgram's ``is_final: true``, OpenAI's ``transcription.completed``)."""
+    (Deepgram's ``is_final: true``, Flux's ``EndOfTurn``, OpenAI's ``transcription.completed``).
+    ``text`` may be empty: the audio up to ``audio_end`` held no words."""
 
     text: str
     words: tuple[TimedWord, ...] = ()
     last_word_probability: float | None = None
     """As ``Transcript.last_word_probability``: how sure it is of the last word."""
+    audio_end: float | None = None
+    """Seconds from the stream's first audio to the end of the audio these words settle: no
+    later words will be about audio before it (a reconnection replays only what follows)."""
+    flushed: bool = False
+    """The answer to ``finalize()``: every word of the audio pushed before it is final now.
+    Each ``finalize()`` gets one, within the session's limit, with empty text when nothing
+    was pending (or a ``ProviderTimeout`` ends the iteration)."""
 
 
 class TurnHintKind(StrEnum):
@@ -110,9 +118,11 @@ class SpeechToTextSession(Protocol):
     """One call's live connection to a streaming STT, from the stream's ``start`` to its end.
 
     Audio goes in as it arrives (``push``, never blocking); events come out by iterating the
-    session, in the order the provider sent them. A connection that drops is reconnected within
-    the call by the implementation; one it cannot bring back ends the iteration with a
-    ``ProviderError``.
+    session (one consumer), in the order the provider sent them. A provider's own session ends
+    the iteration with a ``ProviderError`` when its connection fails; the resilient wrapper
+    (``ivr.stt.resilient.ResilientStreamingStt``) reconnects within the call, or fails over to
+    the next provider, replaying the audio no final words have settled yet, and ends the
+    iteration with a ``ProviderError`` only when no provider is left.
     """
 
     def push(self, audio: bytes) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ivr.config import Settings, SttProviderName
+from ivr.config import STREAMING_STT, Settings, SttProviderName
+from ivr.errors import ConfigError
 from ivr.providers.resilience import RetryPolicy, refuse_fallback
-from ivr.stt.base import SpeechToText
+from ivr.stt.base import SpeechToText, StreamingSpeechToText
 from ivr.stt.resilient import ResilientStt
 
 STT_MIN_ATTEMPT = 0.5
@@ -62,3 +63,67 @@ BUILDERS: dict[SttProviderName, Callable[[Settings], SpeechToText]] = {
     "local": _whisper,
     "openai": _openai,
 }
+
+
+def build_streaming_stt(settings: Settings) -> StreamingSpeechToText | None:
+    """The streaming STT the settings ask for, with reconnection and failover (to the
+    OpenAI-compatible batch STT when ``IVR_STT_FALLBACK_BASE_URL`` is set); None for a batch
+    provider."""
+    if settings.stt_provider not in STREAMING_STT:
+        return None
+    from ivr.stt.resilient_stream import BatchSttStream, ResilientStreamingStt
+
+    limit = settings.stt_answer_timeout
+    providers: list[StreamingSpeechToText] = [_streaming(settings, settings.stt_provider, limit)]
+    if settings.stt_fallback_base_url:
+        from ivr.stt.openai_http import OpenAIHttpStt
+
+        fallback = OpenAIHttpStt(
+            base_url=settings.stt_fallback_base_url,
+            api_key=settings.stt_fallback_api_key or "none",
+            model=settings.stt_fallback_model or settings.stt_model,
+            language=settings.stt_language, timeout=limit, name="openai_stt_fallback",
+        )  # fmt: skip
+        providers.append(BatchSttStream(fallback))
+    return ResilientStreamingStt(providers, RetryPolicy(limit, STT_MIN_ATTEMPT))
+
+
+def _streaming(settings: Settings, name: str, limit: float) -> StreamingSpeechToText:
+    if name == "openai-realtime":
+        from ivr.stt.openai_realtime import OpenAIRealtimeStt
+
+        _require(settings.stt_api_key, "IVR_STT_API_KEY", name)
+        return OpenAIRealtimeStt(
+            api_key=settings.stt_api_key, model=settings.stt_realtime_model,
+            base_url=settings.stt_realtime_url, language=settings.stt_language,
+            prompt=settings.stt_prompt, finalize_timeout=limit,
+        )  # fmt: skip
+    from ivr.stt.deepgram import DeepgramStt
+
+    _require(settings.deepgram_api_key, "DEEPGRAM_API_KEY", name)
+    flux = name == "deepgram-flux"
+    terms = tuple(t.strip() for t in settings.deepgram_keyterms.split(",") if t.strip())
+    return DeepgramStt(
+        api_key=settings.deepgram_api_key, flux=flux, base_url=settings.deepgram_url,
+        model=settings.deepgram_flux_model if flux else settings.deepgram_model,
+        language=settings.stt_language, keyterms=terms,
+        eot_threshold=settings.deepgram_eot_threshold if flux else None,
+        eager_eot_threshold=settings.deepgram_eager_eot_threshold if flux else None,
+        finalize_timeout=limit,
+    )  # fmt: skip
+
+
+def _require(value: str, variable: str, provider: str) -> None:
+    if not value:
+        raise ConfigError(f"IVR_STT_PROVIDER={provider} needs {variable}")
+
+
+def _streaming_only(settings: Settings) -> SpeechToText:
+    raise ConfigError(
+        f"IVR_STT_PROVIDER={settings.stt_provider} is a streaming provider: build it with "
+        "build_streaming_stt (the call session takes it once its integration lands, issue 24)"
+    )
+
+
+for _name in STREAMING_STT:
+    BUILDERS[_name] = _streaming_only  # type: ignore[index]

@@ -51,7 +51,8 @@ class SpeechAudio:
     """A piece of a reply's audio, and the words whose times the provider sent with it."""
 
     audio: bytes
-    """In the session's output format, whole samples."""
+    """In the session's output format, whole samples; empty when a message carried only word
+    times (Cartesia sends them apart from the audio)."""
     words: tuple[TimedWord, ...] = ()
     """Times from the first byte of the session's audio (Cartesia's word timestamps,
     ElevenLabs' alignment): with the playout position they tell which words the caller heard
@@ -63,8 +64,11 @@ class TextToSpeechSession(Protocol):
     ElevenLabs stream-input socket.
 
     Text goes in as the LLM writes it (``push_text``, a sentence or a few tokens at a time,
-    never blocking); audio comes out by iterating the session. A ``ProviderError`` ends the
-    iteration; none is retried once audio has been yielded (the caller may be hearing it).
+    never blocking); audio comes out by iterating the session (one consumer). A
+    ``ProviderError`` ends the iteration; none is retried once audio has been yielded (the
+    caller may be hearing it). Limits: the first audio within the first-output limit of the
+    first text (time before any text is the LLM's, not the voice's); after ``end_input`` the
+    provider owes all of it, and a gap longer than the stall limit is a ``ProviderTimeout``.
     """
 
     def push_text(self, text: str) -> None:

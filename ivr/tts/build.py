@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ivr.config import Settings, TtsProviderName
+from ivr.config import STREAMING_TTS, Settings, TtsProviderName
+from ivr.errors import ConfigError
 from ivr.providers.resilience import RetryPolicy, refuse_fallback
-from ivr.tts.base import TextToSpeech
+from ivr.tts.base import StreamingTextToSpeech, TextToSpeech
 from ivr.tts.resilient import ResilientTts
 
 TTS_MIN_ATTEMPT = 0.4
@@ -67,3 +68,58 @@ BUILDERS: dict[TtsProviderName, Callable[[Settings], TextToSpeech]] = {
     "espeak": _espeak,
     "openai": _openai,
 }
+
+
+def build_streaming_tts(settings: Settings) -> StreamingTextToSpeech | None:
+    """The streaming TTS the settings ask for, with retries (and, when both are configured,
+    the other streaming voice as the fallback); None for a batch provider."""
+    if settings.tts_provider not in STREAMING_TTS:
+        return None
+    from ivr.tts.resilient_stream import ResilientStreamingTts
+
+    names = [settings.tts_provider] + [
+        n for n in sorted(STREAMING_TTS) if n != settings.tts_provider and _configured(settings, n)
+    ]
+    providers = [_streaming(settings, name) for name in names]
+    return ResilientStreamingTts(
+        providers, RetryPolicy(settings.tts_first_byte_timeout, TTS_MIN_ATTEMPT)
+    )
+
+
+def _configured(settings: Settings, name: str) -> bool:
+    if name == "cartesia":
+        return bool(settings.cartesia_api_key and settings.cartesia_voice)
+    return bool(settings.elevenlabs_api_key and settings.elevenlabs_voice)
+
+
+def _streaming(settings: Settings, name: str) -> StreamingTextToSpeech:
+    s = settings
+    first, stall = s.tts_first_byte_timeout, s.tts_stall_timeout
+    if not _configured(settings, name):
+        raise ConfigError(
+            f"IVR_TTS_PROVIDER={name} needs IVR_{name.upper()}_API_KEY and IVR_{name.upper()}_VOICE"
+        )
+    if name == "cartesia":
+        from ivr.tts.cartesia import CartesiaTts
+
+        return CartesiaTts(
+            api_key=s.cartesia_api_key, voice=s.cartesia_voice, model=s.cartesia_model,
+            base_url=s.cartesia_url, first_audio_timeout=first, stall_timeout=stall,
+        )  # fmt: skip
+    from ivr.tts.elevenlabs import ElevenLabsTts
+
+    return ElevenLabsTts(
+        api_key=s.elevenlabs_api_key, voice=s.elevenlabs_voice, model=s.elevenlabs_model,
+        base_url=s.elevenlabs_url, first_audio_timeout=first, stall_timeout=stall,
+    )  # fmt: skip
+
+
+def _streaming_only(settings: Settings) -> TextToSpeech:
+    raise ConfigError(
+        f"IVR_TTS_PROVIDER={settings.tts_provider} is a streaming provider: build it with "
+        "build_streaming_tts (the call session takes it once its integration lands, issue 24)"
+    )
+
+
+for _name in STREAMING_TTS:
+    BUILDERS[_name] = _streaming_only  # type: ignore[index]

@@ -1,0 +1,89 @@
+"""A call's streaming STT surviving its provider, against real local servers: a Deepgram
+socket that drops mid-utterance is reconnected and the unsettled audio replayed (the words
+come, in the call's clock); a Deepgram that refuses the key fails over to the batch
+OpenAI-compatible STT, which transcribes the utterance at finalize()."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from streaming_fixtures import collect, push_real_time, silence, tone
+
+from ivr.errors import ProviderError
+from ivr.providers.resilience import RetryPolicy
+from ivr.providers.streaming import PHONE_AUDIO
+from ivr.stt.base import FinalWords
+from ivr.stt.deepgram import DeepgramStt
+from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.stt.resilient_stream import BatchSttStream, ResilientStreamingStt
+from ivr.testing.deepgram_server import FakeDeepgramServer
+from ivr.testing.openai_server import FakeOpenAIServer
+from ivr.testing.stt_script import SttScript
+from ivr.testing.ws_server import WsFault
+
+KEY = "k"
+POLICY = RetryPolicy(budget=1.5, min_attempt=0.5)
+
+
+@pytest.fixture
+async def deepgram() -> AsyncIterator[FakeDeepgramServer]:
+    async with FakeDeepgramServer(api_key=KEY) as srv:
+        yield srv  # type: ignore[misc]
+
+
+def primary(server: FakeDeepgramServer, key: str = KEY) -> DeepgramStt:
+    return DeepgramStt(api_key=key, base_url=server.url, finalize_timeout=0.5)
+
+
+async def test_drop_mid_utterance_reconnects_and_replays(deepgram: FakeDeepgramServer) -> None:
+    deepgram.script = SttScript(["lost words", "my chain is broken"], final_delay=0.1)
+    # The first socket drops after its first interim words: "lost words" is what that
+    # connection heard; the new one hears the replayed utterance again.
+    deepgram.faults = [WsFault(after=3, then="drop")]
+    stt = ResilientStreamingStt([primary(deepgram)], POLICY)
+    session = await stt.open(PHONE_AUDIO)
+    await push_real_time(session, silence(0.5), speed=10)
+    feeding = asyncio.create_task(push_real_time(session, tone(1.2) + silence(0.3), speed=2))
+    events = []
+    async for event in session:
+        events.append(event)
+        if isinstance(event, FinalWords) and event.text:
+            break
+    await feeding
+    await session.aclose()
+    assert session.reconnects == 1 and len(deepgram.connections) == 2
+    final = next(e for e in events if isinstance(e, FinalWords) and e.text)
+    assert final.text == "my chain is broken"
+    # In the call's clock: the speech started 0.5 s in, whatever the new socket's clock says.
+    assert final.words[0].start == pytest.approx(0.5, abs=0.05)
+    assert final.audio_end == pytest.approx(1.7, abs=0.05)
+    replayed = b"".join(m for m in deepgram.connections[1].received if isinstance(m, bytes))
+    assert len(replayed) >= 1.2 * 8000 * 0.5  # the unsettled audio went to the new socket
+
+
+async def test_refused_key_fails_over_to_batch_stt(deepgram: FakeDeepgramServer) -> None:
+    async with FakeOpenAIServer(api_key=KEY) as openai:
+        openai.transcripts.append("I want a new wheel")
+        batch = BatchSttStream(OpenAIHttpStt(base_url=openai.base_url, api_key=KEY, timeout=1.0))
+        stt = ResilientStreamingStt([primary(deepgram, key="revoked"), batch], POLICY)
+        session = await stt.open(PHONE_AUDIO)
+        assert session.provider == "openai_stt"
+        await push_real_time(session, tone(1.0) + silence(0.1), speed=10)
+        session.finalize()
+        events = await collect(session)
+        await session.aclose()
+        await stt.aclose()
+    assert events[-1].text == "I want a new wheel" and events[-1].flushed  # type: ignore[union-attr]
+    assert len(openai.requests_for("transcriptions")) == 1
+
+
+async def test_no_provider_left_ends_with_the_error(deepgram: FakeDeepgramServer) -> None:
+    deepgram.faults = [WsFault(after=0, then="close", code=1008, reason="DATA-0000")]
+    stt = ResilientStreamingStt([primary(deepgram)], POLICY)
+    session = await stt.open(PHONE_AUDIO)
+    session.push(tone(0.2))
+    with pytest.raises(ProviderError, match="1008"):
+        await collect(session)
+    await session.aclose()

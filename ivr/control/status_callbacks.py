@@ -15,7 +15,8 @@ the ``<Connect action>`` request, which resumes or ends it.
 Both are signed like every webhook (403 otherwise) and answered by any instance. A callback
 repeated or arriving late changes nothing twice: what is kept is kept once, and an ending
 already settled stays as it was. A call the store does not know (expired, or refused before it
-had a record) gets 204 as well: there is nothing to correct, and Twilio must not retry.
+had a record) gets 204 as well: there is nothing to correct, and Twilio must not retry. So does
+one that arrives while Redis is away: it is logged (``twilio_status.not_stored``), not kept.
 """
 
 from __future__ import annotations
@@ -135,10 +136,16 @@ async def _answer(
         await handle(store, form)
     except BadCallback as exc:
         return Response(str(exc), status_code=400)
-    except StoreError as exc:  # unreachable: Twilio's word is lost, the sweep still ends it
-        log.error("twilio_status.not_stored", error=str(exc), path=request.url.path)
-        return Response("call state unavailable", status_code=503)
+    except StoreError as exc:
+        # Redis away: what Twilio said stays in this log line, and the sweep ends the call as
+        # without it. A 5xx would only add a 15003 warning to the caller's call in Twilio's
+        # debugger (Twilio does not retry a status callback).
+        fields = {k: form.get(k, "") for k in _KEPT_IN_LOG}
+        log.error("twilio_status.not_stored", error=str(exc), path=request.url.path, **fields)
     return Response(status_code=204)
+
+
+_KEPT_IN_LOG = ("CallSid", "CallStatus", "CallDuration", "StreamSid", "StreamEvent", "StreamError")
 
 
 def _call_sid(form: Mapping[str, str]) -> str:

@@ -9,7 +9,10 @@ from where Twilio really started it by 0..``misplaced`` samples (a chunk sent to
 queue: Twilio starts it on its next frame tick, or after the network's jitter). Every 20 ms
 the gateway's ``check_echo`` judges the caller's last 240 ms (skipping quiet ones, as
 ``BargeInJudge`` does). Per row: the correlation's p10/p50/p90, the share of checks under the
-threshold (0.6; one of those while the bot talks pauses it), and the delay found.
+threshold (0.6; one of those while the bot talks pauses it), and the delay found; then when the
+call's echo path was learned (``EchoPath``: sure matches, whitened or raw, agreeing on a delay)
+and the share of checks that neither the correlation nor the learned path took for echo (with
+no caller level to go by: the caller has not spoken yet, as under a greeting).
 
     .venv/bin/python bench/echo_check.py                 # every row (~20 s)
     .venv/bin/python bench/echo_check.py --voice espeak
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ivr.audio.echo import check_echo
+from ivr.audio.echo import EchoPath, check_echo
 from ivr.audio.far_end import FarEndReference
 from ivr.call.interruptions import DEFAULT_POLICY
 from ivr.sim.echo import LineEcho, level_dbfs
@@ -64,8 +67,19 @@ def ulaw(x: np.ndarray) -> bytes:
     return ulaw_encode(np.clip(np.rint(x), -32768, 32767).astype("<i2").tobytes())
 
 
-def measure(row: Row, bot: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(correlations, delays in ms) of every non-quiet check over the reply."""
+@dataclass(slots=True)
+class Measured:
+    corr: np.ndarray
+    delay_ms: np.ndarray
+    missed_with_path: np.ndarray
+    """Per check: neither the correlation nor the call's learned echo path took it for echo."""
+    learned_after_s: float | None
+    """When the echo path was learned, from the reply's start."""
+
+
+def measure(row: Row, bot: np.ndarray, seed: int) -> Measured:
+    """Every non-quiet check over the reply, as ``BargeInJudge`` makes them (no caller level:
+    the caller has not spoken yet, as during a greeting)."""
     rng = np.random.default_rng(seed)
     played = ulaw(bot)
     playout = TwilioPlayout("MZ1", t0=T0)
@@ -81,16 +95,32 @@ def measure(row: Row, bot: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarra
     ends = range(160, len(played) + 2 * RATE, 160)
     line = b"".join(row.echo.mix_frame(silence, playout, end).ulaw for end in ends)
     near = np.frombuffer(ulaw_decode(line), dtype="<i2").astype(np.float64)
-    corr, delay = [], []
+    corr, delay, missed = [], [], []
+    path, learned = EchoPath(), None
+    threshold = DEFAULT_POLICY.echo_threshold
     for end in range(WINDOW, near.size, 160):
         window = near[end - WINDOW : end]
         if level_dbfs(window[-RATE // 10 :]) < -50.0:  # the judge's QUIET
             continue
-        check = check_echo(window, T0 + end / RATE, reference)
+        at = T0 + end / RATE
+        check = check_echo(window, at, reference)
         if check.far_db > -55.0:
+            path.learn(check, WINDOW, at, reference)
+            if learned is None and path.delay_s is not None:
+                learned = end / RATE
             corr.append(check.correlation)
             delay.append(1000 * check.delay_s)
-    return np.array(corr), np.array(delay)
+            floor = _noise_floor(near[max(0, end - 5 * RATE) : end])
+            echo = check.is_echo(threshold) or path.explains(window, at, reference, floor)
+            missed.append(not echo)
+    return Measured(np.array(corr), np.array(delay), np.array(missed), learned)
+
+
+def _noise_floor(x: np.ndarray) -> float:
+    """As ``BargeInJudge.noise_power``: the quietest 200 ms (mean square) of ``x``."""
+    step = RATE // 5
+    windows = x[: x.size - x.size % step].reshape(-1, step)
+    return float(np.min(np.mean(windows * windows, axis=1))) if windows.size else 0.0
 
 
 async def main() -> None:
@@ -108,15 +138,17 @@ async def main() -> None:
     )
     print(
         f"{'line':<40} {'checks':>6} {'corr p10':>8} {'p50':>5} {'p90':>5} {'< thr':>6} "
-        f"{'delay p50':>9}"
+        f"{'delay p50':>9} {'path after':>10} {'missed':>7}"
     )
     for row in ROWS:
-        corr, delay = measure(row, bot, args.seed)
-        p10, p50, p90 = np.percentile(corr, [10, 50, 90])
-        under = 100 * float(np.mean(corr < threshold))
+        m = measure(row, bot, args.seed)
+        p10, p50, p90 = np.percentile(m.corr, [10, 50, 90])
+        under = 100 * float(np.mean(m.corr < threshold))
+        after = "-" if m.learned_after_s is None else f"{m.learned_after_s:.2f} s"
         print(
-            f"{row.label:<40} {corr.size:>6} {p10:>8.2f} {p50:>5.2f} {p90:>5.2f} "
-            f"{under:>5.0f}% {np.median(delay):>7.1f}ms"
+            f"{row.label:<40} {m.corr.size:>6} {p10:>8.2f} {p50:>5.2f} {p90:>5.2f} "
+            f"{under:>5.0f}% {np.median(m.delay_ms):>7.1f}ms {after:>10} "
+            f"{100 * float(np.mean(m.missed_with_path)):>6.1f}%"
         )
 
 

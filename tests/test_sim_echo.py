@@ -18,13 +18,13 @@ import soxr
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 from ivr.audio.wav import pcm16_to_wav
-from ivr.engines.espeak_tts import synthesize_pcm16
 from ivr.sim.echo import LineEcho, LineFrame, LineRecord, level_dbfs
 from ivr.sim.playout import LinkDelay, TwilioPlayout, ulaw_decode, ulaw_encode
 from ivr.testing.bot_speech import BotVoice, active_level_dbfs, caller_lines
 from ivr.testing.echo_call import FLOW, Voices, echo_call, is_own_words
 from ivr.testing.line_stt import LineTranscriber
 from ivr.testing.openai_server import FakeOpenAIServer
+from ivr.tts.espeak_local import synthesize_pcm16
 
 Pcm = npt.NDArray[np.float64]
 RATE = 8000
@@ -309,11 +309,6 @@ def espeak_voices() -> Voices:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: the echo check misses a real line's echo at -43 dBFS (correlation "
-    "0.3-0.6 under a 0.6 threshold), the bot pauses at its own voice and answers its own words",
-)
 async def test_a_speakerphone_echo_at_minus_43_dbfs_never_makes_the_bot_answer_itself(
     gateway_factory: GatewayFactory,
     fake_openai: FakeOpenAIServer,

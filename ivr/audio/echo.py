@@ -28,10 +28,16 @@ from ivr.audio.levels import level_db
 @dataclass(frozen=True, slots=True)
 class EchoCheck:
     correlation: float
-    """Peak normalised cross-correlation with the far end over the delay range (0..1)."""
+    """Peak normalised cross-correlation with the far end over the delay range (0..1), of
+    both whitened: what says echo or not."""
     delay_s: float
     near_db: float
     far_db: float
+    raw_correlation: float = 0.0
+    """The same of both as they are: line noise, which whitening lifts into the band a voice
+    is quiet in, costs it little, but unrelated voices reach 0.7 now and then (their pitch),
+    so it only teaches the echo path (``EchoPath``), never decides alone."""
+    raw_delay_s: float = 0.0
 
     def is_echo(self, threshold: float) -> bool:
         return self.correlation >= threshold
@@ -64,14 +70,22 @@ def check_echo(
     # Pre-emphasis (first difference) on both: speech is dominated by low frequencies and a
     # voice's pitch, which make two unrelated voices correlate by chance at some delay;
     # whitened, only a real copy lines up (a caller alone: <= 0.25 at the 95th percentile).
+    raw = _normalised_correlation(near - near.mean(), far[1:])
+    k_raw = int(np.argmax(raw))
     far = np.diff(far)
     x = np.diff(near, prepend=near[0])
     x = x - x.mean()
     whole = _normalised_correlation(x, far)
     k = int(np.argmax(whole))
-    delay = max_delay - k / RATE  # lag 0: the far window that starts max_delay early
     pieced = _pieced_correlation(x, far, k)
-    return EchoCheck(max(float(whole[k]), pieced), delay, near_db, far_db)
+    return EchoCheck(
+        max(float(whole[k]), pieced),
+        max_delay - k / RATE,  # lag 0: the far window that starts max_delay early
+        near_db,
+        far_db,
+        float(raw[k_raw]),
+        max_delay - k_raw / RATE,
+    )
 
 
 PIECE_S = 0.08
@@ -125,6 +139,7 @@ class EchoPath:
 
     CONFIDENT = 0.75
     """A check this sure is an observation of the path."""
+    RAW_CONFIDENT = 0.75
     AGREEING = 3
     """Observations within ``AGREE_S`` of each other's delay before the path is trusted: one
     sure match can be a fluke (a caller's vowel that happens to match one of the bot's)."""
@@ -142,38 +157,64 @@ class EchoPath:
     _seen: list[tuple[float, float]] = field(default_factory=list)
     """(delay, loss) of the last sure checks."""
 
-    def observe(self, check: EchoCheck, far_at_delay_db: float) -> None:
-        """A check; if sure, an observation: once ``AGREEING`` of the last few agree on the
-        delay, the path is theirs (the median loss, so a clipped moment moves it little)."""
-        if check.correlation < self.CONFIDENT or far_at_delay_db <= SILENT_DB:
+    def sure_delay(self, check: EchoCheck) -> float | None:
+        """The delay ``check`` is sure of, if any: its whitened match, or its raw one (which
+        noise spares) at ``RAW_CONFIDENT``; one of many that must agree (``observe``)."""
+        if check.correlation >= self.CONFIDENT:
+            return check.delay_s
+        if check.raw_correlation >= self.RAW_CONFIDENT:
+            return check.raw_delay_s
+        return None
+
+    def learn(self, check: EchoCheck, n: int, near_end: float, reference: FarEndReference) -> None:
+        """``check`` of the ``n`` samples ending at ``near_end``: if sure, an observation."""
+        delay = self.sure_delay(check)
+        if delay is not None:
+            self.observe(delay, check.near_db, self.far_level_at(delay, n, near_end, reference))
+
+    def observe(self, delay_s: float, near_db: float, far_at_delay_db: float) -> None:
+        """A sure check: an observation. Once ``AGREEING`` of the last few agree on the delay,
+        the path is theirs (the median loss, so a clipped moment moves it little)."""
+        if far_at_delay_db <= SILENT_DB:
             return
-        self._seen = [
-            *self._seen[-(self.KEPT - 1) :],
-            (check.delay_s, far_at_delay_db - check.near_db),
-        ]
+        self._seen = [*self._seen[-(self.KEPT - 1) :], (delay_s, far_at_delay_db - near_db)]
         delay = float(np.median([d for d, _ in self._seen]))
         agreeing = [loss for d, loss in self._seen if abs(d - delay) <= self.AGREE_S]
         if len(agreeing) >= self.AGREEING and np.median(agreeing) >= self.MIN_LOSS_DB:
             self.delay_s, self.return_loss_db = delay, float(np.median(agreeing))
 
     def explains(
-        self, near: npt.NDArray[np.float64], near_end: float, reference: FarEndReference
+        self,
+        near: npt.NDArray[np.float64],
+        near_end: float,
+        reference: FarEndReference,
+        noise_power: float = 0.0,
     ) -> bool:
-        """``near`` is no louder than the echo of what played ``delay_s`` before it."""
+        """``near`` is no louder than the echo of what played ``delay_s`` before it, over the
+        line's own noise (``noise_power``: its mean square when nobody talks)."""
         if self.delay_s is None or self.return_loss_db is None:
             return False
         n = near.size
         end = near_end - self.delay_s
         far = reference.samples(end - n / RATE - self.SLACK_S, end + self.SLACK_S)
-        predicted = _loudest_window_db(far, n) - self.return_loss_db
-        return level_db(near) <= predicted + self.MARGIN_DB
+        echo = _power(_loudest_window_db(far, n) - self.return_loss_db)
+        predicted_db = 10 * math.log10((echo + noise_power) / _FULL_SCALE + 1e-12)
+        return level_db(near) <= predicted_db + self.MARGIN_DB
 
-    def far_level_at(
-        self, check: EchoCheck, n: int, near_end: float, reference: FarEndReference
-    ) -> float:
-        """The far end's level over the window ``check`` matched ``n`` samples of near to."""
-        end = near_end - check.delay_s
+    @staticmethod
+    def far_level_at(delay_s: float, n: int, near_end: float, reference: FarEndReference) -> float:
+        """The far end's level over the ``n`` samples that played ``delay_s`` before the window
+        ending at ``near_end``."""
+        end = near_end - delay_s
         return level_db(reference.samples(end - n / RATE, end))
+
+
+_FULL_SCALE = 32768.0 * 32768.0
+
+
+def _power(db: float) -> float:
+    """Mean square (int16 scale) of a ``db`` dBFS level."""
+    return _FULL_SCALE * 10 ** (db / 10)
 
 
 def _loudest_window_db(x: npt.NDArray[np.float64], n: int) -> float:

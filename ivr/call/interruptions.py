@@ -57,6 +57,10 @@ DEFAULT_BACKCHANNELS: tuple[str, ...] = (
 BACKCHANNEL_MARGIN_MS = 200
 """The caller's next backchannel may run this much longer than their longest so far."""
 
+FLOOR_FRAMES = 10
+"""The line's noise floor is measured over this many frames (200 ms) at a time..."""
+FLOOR_KEPT = 25
+"""...and is the quietest of the last this many (5 s)."""
 ECHO_DELAY_SLACK_S = 0.02
 """Jitter allowed around a known echo delay before searching the whole range again."""
 QUIET_DB = -50.0
@@ -267,6 +271,7 @@ class BargeInJudge:
         self._near: deque[bytes] = deque(maxlen=round(history_s * RATE * 2 / FRAME_BYTES_PCM16))
         self._near_end = 0.0  # playout-clock time the newest pushed frame ended
         self._frames = 0
+        self._floor: deque[float] = deque(maxlen=FLOOR_KEPT)
         self._utterance: JudgedUtterance | None = None
         self._echo_delay: float | None = None
         """The echo path's delay, once found: later checks search only around it."""
@@ -276,6 +281,18 @@ class BargeInJudge:
         self._near.append(pcm16_frame)
         self._near_end = ends_at
         self._frames += 1
+        if self._frames % FLOOR_FRAMES == 0:
+            self._floor.append(self._recent_power(FLOOR_FRAMES))
+
+    @property
+    def noise_power(self) -> float:
+        """The caller's line when nobody talks: the quietest 200 ms of the last few seconds
+        (mean square, int16 scale); speech and echo both leave such gaps."""
+        return min(self._floor, default=0.0)
+
+    def _recent_power(self, frames: int) -> float:
+        x = np.frombuffer(b"".join(list(self._near)[-frames:]), dtype="<i2").astype(np.float64)
+        return float(np.mean(x * x)) if x.size else 0.0
 
     def bot_audible(self, max_delay: float = 0.6) -> bool:
         """Bot audio played recently enough that it could be coming back as echo now."""
@@ -383,7 +400,7 @@ class BargeInJudge:
         self._learn(echo, near.size)
         if echo.is_echo(policy.echo_threshold):
             self._echo_delay = echo.delay_s
-        explained = self.echo_path.explains(near, self._near_end, self.reference)
+        explained = self.echo_path.explains(near, self._near_end, self.reference, self.noise_power)
         log.debug(
             "barge_in.echo_check",
             correlation=round(echo.correlation, 3),
@@ -395,9 +412,7 @@ class BargeInJudge:
         return echo.is_echo(policy.echo_threshold) or explained
 
     def _learn(self, check: EchoCheck, n: int) -> None:
-        if check.correlation >= EchoPath.CONFIDENT:
-            far_db = self.echo_path.far_level_at(check, n, self._near_end, self.reference)
-            self.echo_path.observe(check, far_db)
+        self.echo_path.learn(check, n, self._near_end, self.reference)
 
     def _check(
         self,

@@ -202,7 +202,7 @@ class BotVoice:
         cls, texts: Iterable[str], *, voice: str = "piper", level_dbfs: float = -23.0
     ) -> BotVoice:
         """Render ``texts`` with ``voice`` (``piper`` or ``espeak``); espeak is the fallback."""
-        from ivr.engines.espeak_tts import synthesize_pcm16  # loads espeak-ng: only when asked
+        from ivr.tts.espeak_local import synthesize_pcm16  # loads espeak-ng: only when asked
 
         wanted = list(dict.fromkeys(texts))
         if voice == "piper":

@@ -86,7 +86,7 @@ class Voices:
     @classmethod
     async def render(cls, bot_voice: str = "piper") -> Voices:
         from ivr.call.sentences import SentenceChunker
-        from ivr.engines.espeak_tts import synthesize_pcm16
+        from ivr.tts.espeak_local import synthesize_pcm16
 
         chunker = SentenceChunker()  # the pieces the gateway will ask the TTS for
         bot = await BotVoice.render(chunker.push(REPLY) + chunker.flush(), voice=bot_voice)

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from ivr.audio.codec import FRAME_BYTES_PCM16
+from ivr.audio.codec import FRAME_BYTES_PCM16, rms16
 from ivr.audio.echo import EchoCheck, EchoPath, check_echo
 from ivr.audio.far_end import RATE, FarEndReference
 from ivr.audio.levels import active_level_db, level_db
@@ -291,8 +291,9 @@ class BargeInJudge:
         return min(self._floor, default=0.0)
 
     def _recent_power(self, frames: int) -> float:
-        x = np.frombuffer(b"".join(list(self._near)[-frames:]), dtype="<i2").astype(np.float64)
-        return float(np.mean(x * x)) if x.size else 0.0
+        near = self._near
+        recent = b"".join(near[i] for i in range(max(0, len(near) - frames), len(near)))
+        return float(rms16(recent)) ** 2 if recent else 0.0
 
     def bot_audible(self, max_delay: float = 0.6) -> bool:
         """Bot audio played recently enough that it could be coming back as echo now."""

@@ -27,7 +27,6 @@ from ivr.audio.far_end import FarEndReference
 from ivr.audio.voicing import voiced_frames
 from ivr.audio.wav import pcm16_to_wav
 from ivr.call.interruptions import (
-    BACKCHANNEL_MARGIN_MS,
     DEFAULT_POLICY,
     BackchannelHabit,
     InterruptionPolicy,
@@ -75,13 +74,12 @@ def test_min_words_and_an_empty_backchannel_list_change_what_interrupts() -> Non
     assert every_word.is_real_turn("okay")
 
 
-def test_a_callers_backchannel_habit_raises_the_minimum_past_their_longest_one() -> None:
+def test_after_a_callers_first_backchannel_the_bot_holds_on_for_the_nodes_whole_hold() -> None:
     habit = BackchannelHabit()
     assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.min_speech_ms, "none heard yet"
-    habit.heard(450)
-    habit.heard(300)  # a shorter one later does not lower it
-    assert habit.hold_ms(DEFAULT_POLICY) == 450 + BACKCHANNEL_MARGIN_MS
-    habit.heard(1500)  # "okay, sure, yeah": capped at the node's backchannel_hold_ms
+    habit.heard(300)  # a short "mm": the next, "uh-huh, okay", may run much longer
+    assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.backchannel_hold_ms
+    habit.heard(1500)
     assert habit.hold_ms(DEFAULT_POLICY) == DEFAULT_POLICY.backchannel_hold_ms
 
 

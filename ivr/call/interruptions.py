@@ -54,8 +54,6 @@ DEFAULT_BACKCHANNELS: tuple[str, ...] = (
 )  # fmt: skip
 """Said to show the caller is listening, not to take the floor (English)."""
 
-BACKCHANNEL_MARGIN_MS = 200
-"""The caller's next backchannel may run this much longer than their longest so far."""
 
 FLOOR_FRAMES = 10
 """The line's noise floor is measured over this many frames (200 ms) at a time..."""
@@ -153,13 +151,16 @@ class BackchannelHabit:
         return True
 
     def hold_ms(self, policy: InterruptionPolicy) -> int:
-        """Speech span over the bot before it pauses, for this caller under ``policy``:
-        raised past their backchannels, up to ``backchannel_hold_ms``, where backchannel is a
-        thing (a node where "yeah" is an answer, ``backchannels: []``, keeps its minimum)."""
+        """Speech span over the bot before it pauses, for this caller under ``policy``: once
+        they have backchanneled, ``backchannel_hold_ms`` (longer than any "uh-huh": the next
+        plays through however its length differs from the first; their words so far, asked
+        for ``HOLD_PROBE_MS`` in, stop the bot sooner when they are more), where backchannel
+        is a thing (a node where "yeah" is an answer, ``backchannels: []``, keeps its
+        minimum). Holding only past their longest so far (+200 ms) let a longer second one
+        ("uh-huh" after "okay") pause the bot: 25 % of second backchannels did."""
         if self.longest_ms is None or not policy.backchannels or policy.backchannel_hold_ms <= 0:
             return policy.min_speech_ms
-        learned = min(policy.backchannel_hold_ms, self.longest_ms + BACKCHANNEL_MARGIN_MS)
-        return max(policy.min_speech_ms, learned)
+        return max(policy.min_speech_ms, policy.backchannel_hold_ms)
 
 
 @dataclass(slots=True)

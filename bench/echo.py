@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -61,17 +62,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 from interruptions import AUTH_TOKEN, PUBLIC_URL, lane_gateway
 
 from ivr.call.interruptions import DEFAULT_POLICY
-from ivr.sim.echo import LineEcho
+from ivr.sim.echo import Background, LineEcho
 from ivr.sim.playout import LinkDelay
-from ivr.testing.echo_call import FLOW, Voices, echo_call
+from ivr.testing.echo_call import FLOW, Voices, background_voices, echo_call
 from ivr.testing.openai_server import FakeOpenAIServer
 
 CLIP_DBFS = -15.0
 """The caller's loudspeaker amplifier clips at 8 dB over the bot's -23 dBFS speech level."""
+
+
+BACKGROUND_SPANS_S = ((6.0, 9.0), (11.0, 14.0))
+"""When the other voices talk (seconds into the call): over the bot's reply."""
+
+
+@functools.cache
+def background_audio(talkers: int) -> np.ndarray:
+    return background_voices(talkers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +98,20 @@ class Cell:
     frame_clock: bool = True
     jitter_ms: float = 0.0
     """Gateway -> Twilio: each message up to this much later (uniform), in order."""
+    talkers: int = 0
+    """Other voices in the caller's room while the bot answers (8: babble; 1: a voice)."""
+    under_db: float = 0.0
+    """How far under the caller's own level those voices are."""
 
-    def echo(self, seed: int) -> LineEcho:
+    def echo(self, seed: int, voices: Voices) -> LineEcho:
+        background = None
+        if self.talkers:
+            level = voices.caller_level_dbfs() - self.under_db
+            background = Background(background_audio(self.talkers), level, BACKGROUND_SPANS_S)
         return LineEcho(
             delay_s=self.delay_ms / 1000, gain_db=-self.erl_db, band_limit=self.band,
             clip_dbfs=CLIP_DBFS if self.clip else None, noise_dbfs=self.noise_dbfs, seed=seed,
+            background=background,
         )  # fmt: skip
 
     def link(self, seed: int) -> LinkDelay | None:
@@ -127,6 +147,9 @@ CELLS = (
     Cell("phone 4x", band=True, clip=True, noise_dbfs=-55, jitter_ms=2),
     Cell("phone 1x", band=True, clip=True, noise_dbfs=-55, jitter_ms=2, pace=1.0),
     # Controls: the old simulated Twilio, which starts audio at its exact arrival sample.
+    *(Cell(f"babble -{u}", erl_db=80, talkers=8, under_db=u) for u in (10, 15, 20)),
+    *(Cell(f"a voice -{u}", erl_db=80, talkers=1, under_db=u) for u in (10, 20)),
+    Cell("babble -10 + echo", talkers=8, under_db=10),
     Cell("arrival playout", frame_clock=False),
     Cell("1x arrival playout", pace=1.0, frame_clock=False),
 )
@@ -207,7 +230,8 @@ async def run_call(
     started = time.monotonic()
     call = await echo_call(
         server.base_url, fake, voices, auth_token=AUTH_TOKEN, public_url=PUBLIC_URL,
-        echo=cell.echo(trial.seed), frame_clock=cell.frame_clock, link=cell.link(trial.seed),
+        echo=cell.echo(trial.seed, voices), frame_clock=cell.frame_clock,
+        link=cell.link(trial.seed),
         pace=cell.pace,
         talk_after_s=trial.after_s if cell.talk else None, listen_s=args.listen_s,
         stt_delay_s=args.stt_ms / 1000, llm_first_token_s=args.llm_ms / 1000,

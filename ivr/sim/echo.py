@@ -93,6 +93,35 @@ class LineFrame:
         return cls(ulaw, near, zeros, zeros, zeros)
 
 
+class Background:
+    """Other voices in the caller's room (babble, a TV, someone across the room): ``audio``
+    (8 kHz, int16 scale) looped, scaled so its active speech is at ``level_dbfs``, on the line
+    only within ``spans_s`` (seconds from the call's first sample)."""
+
+    def __init__(self, audio: Pcm, level_dbfs: float, spans_s: tuple[tuple[float, float], ...]):
+        self.audio = audio
+        self.level_dbfs = level_dbfs
+        self.spans_s = spans_s
+        self._gain = dbfs(level_dbfs) / _active_rms(audio)
+
+    def part(self, start: int, n: int) -> Pcm:
+        """Its samples ``[start, start + n)`` of the line (zeros outside its spans)."""
+        out = np.zeros(n)
+        for lo_s, hi_s in self.spans_s:
+            lo = max(start, round(lo_s * SAMPLE_RATE))
+            hi = min(start + n, round(hi_s * SAMPLE_RATE))
+            if lo < hi:
+                out[lo - start : hi - start] = self.audio[np.arange(lo, hi) % self.audio.size]
+        return out * self._gain
+
+
+def _active_rms(x: Pcm) -> float:
+    """RMS of ``x``'s 20 ms frames within 20 dB of its loudest (its speech, not its gaps)."""
+    frames = x[: x.size - x.size % 160].reshape(-1, 160)
+    power = np.mean(frames * frames, axis=1)
+    return float(np.sqrt(np.mean(power[power >= power.max() / 100])))
+
+
 @dataclass(frozen=True, slots=True)
 class LineEcho:
     """The echo path of the caller's line. ``gain_db`` is minus the echo return loss (ERL):
@@ -110,6 +139,8 @@ class LineEcho:
     clip_dbfs: float | None = None
     noise_dbfs: float | None = None
     seed: int = 0
+    background: Background | None = None
+    """Other voices on the line, mixed in like the noise (``Background``)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.delay_s <= 2.0:
@@ -162,10 +193,12 @@ class LineEcho:
 
     def noise(self, start: int, n: int) -> Pcm:
         """Line noise for samples ``[start, start + n)``: the same for the same seed and start."""
-        if self.noise_dbfs is None:
-            return np.zeros(n)
-        rng = np.random.default_rng([self.seed, max(0, start)])
-        noise: Pcm = rng.normal(0.0, dbfs(self.noise_dbfs), n)
+        noise: Pcm = np.zeros(n)
+        if self.noise_dbfs is not None:
+            rng = np.random.default_rng([self.seed, max(0, start)])
+            noise = rng.normal(0.0, dbfs(self.noise_dbfs), n)
+        if self.background is not None:
+            noise = noise + self.background.part(start, n)
         return noise
 
 

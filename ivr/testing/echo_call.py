@@ -14,9 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
+from ivr.audio.levels import active_level_db
 from ivr.sim.caller import place_call
 from ivr.sim.echo import LineEcho, LineRecord
-from ivr.sim.playout import LinkDelay
+from ivr.sim.playout import SAMPLE_RATE, LinkDelay
 from ivr.sim.report import CallReport
 from ivr.sim.script import script_from_data
 from ivr.testing.bot_speech import BotVoice, SpeechCatalogue, caller_lines
@@ -49,6 +53,7 @@ TTS_CHUNK_BYTES = 1920
 MISSED_AFTER_S = 3.0
 """No ``clear`` this long after the caller's onset: the interruption was missed."""
 
+Pcm = npt.NDArray[np.float64]
 _WORD_CHARS = str.maketrans({c: " " for c in ",.?!;:"})
 
 
@@ -75,6 +80,36 @@ def user_text(request: JsonDict | None) -> str:
     return ""
 
 
+BACKGROUND_TALKERS = (
+    ("en-us+m1", "The game went into overtime after a long and very even first half."),
+    ("en-us+f2", "I told her we would meet at the station before the train left."),
+    ("en-us+m4", "Prices at the market went up again this week for most vegetables."),
+    ("en-us+f1", "Can you pass me the salt and the bread from the other table?"),
+    ("en-gb-x-rp", "The minister said the new road will open by the end of the year."),
+    ("en-us+m6", "We watched the whole series in one weekend and it was worth it."),
+    ("en-us+f5", "Turn left at the lights and then keep going past the old church."),
+    ("en-gb-scotland", "The forecast says rain in the north and sunshine further south."),
+)
+"""Eight talkers for babble (a café, a TV's crowd); the first alone is someone in the room."""
+
+
+def background_voices(talkers: int) -> Pcm:
+    """``talkers`` of ``BACKGROUND_TALKERS`` talking at once (each looped from its own start
+    point), 8 kHz on the int16 scale: babble for 8, a voice across the room for 1."""
+    import soxr
+
+    from ivr.tts.espeak_local import synthesize_pcm16
+
+    seconds = 8 * SAMPLE_RATE
+    mix = np.zeros(seconds)
+    for i, (voice, text) in enumerate(BACKGROUND_TALKERS[:talkers]):
+        pcm, rate = synthesize_pcm16(text, voice=voice)
+        x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float64), rate, SAMPLE_RATE)
+        x = x / max(1.0, float(np.sqrt(np.mean(x * x))))
+        mix += np.roll(np.resize(x, seconds), i * seconds // max(1, talkers))
+    return mix
+
+
 @dataclass(frozen=True, slots=True)
 class Voices:
     """The bot's voice and the caller's, rendered once for any number of calls."""
@@ -82,6 +117,10 @@ class Voices:
     bot: BotVoice
     caller: SpeechCatalogue
     caller_speaks: Callable[[str], tuple[bytes, int]]
+
+    def caller_level_dbfs(self) -> float:
+        """The active speech level of the caller's line (as ``active_level_db`` measures)."""
+        return active_level_db(self.caller.audio_of(LINE))
 
     @classmethod
     async def render(cls, bot_voice: str = "piper") -> Voices:

@@ -79,7 +79,7 @@ async def test_finalize_and_close_stream(server: FakeDeepgramServer) -> None:
     session.end_input()
     rest = [e async for e in session if isinstance(e, FinalWords)]
     assert [(e.text, e.flushed) for e in rest] == [("", True)]
-    sent = server.last().json_received()
+    sent = (await server.last().finished()).json_received()
     assert [m["type"] for m in sent] == ["Finalize", "Finalize", "CloseStream"]
 
 

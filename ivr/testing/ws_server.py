@@ -67,6 +67,19 @@ class WsConnection:
     sent: int = 0
     closed: float | None = None
 
+    async def finished(self, limit: float = 2.0) -> WsConnection:
+        """This record once the server's handler is done with it (its ``received`` is whole).
+
+        The client's close handshake completes before the server thread has read every
+        message it queued, so a test that checks what arrived last waits here first.
+        """
+        deadline = time.monotonic() + limit
+        while self.closed is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server still holds {self.path} after {limit} s")
+            await asyncio.sleep(0.01)
+        return self
+
     def json_received(self) -> list[JsonDict]:
         out = []
         for message in self.received:

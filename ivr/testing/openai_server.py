@@ -40,6 +40,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
 from ivr.audio.wav import wav_to_pcm16
+from ivr.testing.hold import Hold
 from ivr.testing.openai_wire import (
     SECONDS_PER_CHAR,
     SPEECH_RATE,
@@ -52,6 +53,7 @@ from ivr.testing.openai_wire import (
     ScriptToolCall,
     check_json_mode,
     completion_for,
+    continues_utterance,
     default_speak,
     echo_script,
     example_for_schema,
@@ -63,6 +65,7 @@ from ivr.testing.openai_wire import (
     tool_call_deltas,
     unsupported_field,
     usage_for,
+    wav_samples,
 )
 
 T = TypeVar("T")
@@ -150,6 +153,8 @@ class FakeOpenAIServer:
         self.speech_chunk_delay = 0.0
         self.faults: dict[str, Fault] = {}
         """Per endpoint: ``models``, ``chat``, ``transcriptions``, ``speech``."""
+        self.holds: dict[str, Hold] = {}
+        """Per endpoint: requests wait until that many wait at once (``ivr.testing.hold``)."""
         self.chat_fields: frozenset[str] | None = None
         """When set, chat requests with other top-level fields get HTTP 422, the way Cerebras
         validates bodies (most servers, and the default here, ignore unknown fields)."""
@@ -232,10 +237,10 @@ class FakeOpenAIServer:
     # ---- scripting helpers -----------------------------------------------------------
 
     def _next_transcript(self, wav: bytes, form: dict[str, str]) -> str:
-        audio = _wav_samples(wav)
+        audio = wav_samples(wav)
         with self._lock:
             previous, self._last_audio = self._last_audio, audio
-            if self.transcripts_per_utterance and _continues(audio, previous):
+            if self.transcripts_per_utterance and continues_utterance(audio, previous):
                 return self._last_transcript
             try:
                 self._last_transcript = self.transcripts.popleft()
@@ -317,6 +322,9 @@ class FakeOpenAIServer:
                 shown = auth.removeprefix("Bearer ")[:6] or "(none)"
                 message = f"Incorrect API key provided: {shown}***."
                 return openai_error(401, message, code="invalid_api_key")
+        if (hold := self.holds.get(endpoint)) is not None:
+            assert self._stopping is not None
+            await hold.wait(self._stopping)
         fault = rec.fault = self._take_fault(endpoint)
         if fault is None:
             return None
@@ -589,18 +597,3 @@ __all__ = [
     "split_tokens",
     "sse_body",
 ]
-
-
-def _wav_samples(wav: bytes) -> bytes:
-    """The PCM of a WAV upload (the whole upload when it is not one)."""
-    try:
-        return wav_to_pcm16(wav).pcm16
-    except Exception:
-        return wav
-
-
-def _continues(audio: bytes, previous: bytes) -> bool:
-    """``audio`` is the same utterance as ``previous``, further on: it starts with the first
-    half of it (the tail differs by the resampler's edge and the trailing silence)."""
-    half = len(previous) // 2 & ~1
-    return half >= 3200 and len(audio) >= len(previous) and audio[:half] == previous[:half]

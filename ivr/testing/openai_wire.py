@@ -16,6 +16,8 @@ from typing import Any, Literal
 import numpy as np
 from starlette.responses import JSONResponse
 
+from ivr.audio.wav import wav_to_pcm16
+
 SPEECH_RATE = 24_000
 """OpenAI's ``pcm`` speech format: 24 kHz, mono, signed 16-bit little-endian."""
 SECONDS_PER_CHAR = 0.065
@@ -309,3 +311,18 @@ def check_json_mode(body: Mapping[str, Any], script: ChatScript) -> str | None:
     except ValueError:
         return f"script text is not JSON but response_format is json_schema: {script.text!r}"
     return None
+
+
+def wav_samples(wav: bytes) -> bytes:
+    """The PCM of a WAV upload (the whole upload when it is not one)."""
+    try:
+        return wav_to_pcm16(wav).pcm16
+    except Exception:
+        return wav
+
+
+def continues_utterance(audio: bytes, previous: bytes) -> bool:
+    """``audio`` is the same utterance as ``previous``, further on: it starts with the first
+    half of it (the tail differs by the resampler's edge and the trailing silence)."""
+    half = len(previous) // 2 & ~1
+    return half >= 3200 and len(audio) >= len(previous) and audio[:half] == previous[:half]

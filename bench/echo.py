@@ -66,7 +66,7 @@ import numpy as np
 import structlog
 from interruptions import AUTH_TOKEN, PUBLIC_URL, lane_gateway
 
-from ivr.call.interruptions import DEFAULT_POLICY
+from ivr.callio.interruption_policy import DEFAULT_POLICY
 from ivr.sim.echo import Background, LineEcho
 from ivr.sim.playout import LinkDelay
 from ivr.testing.echo_call import FLOW, Voices, background_voices, echo_call

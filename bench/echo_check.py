@@ -30,7 +30,7 @@ import numpy as np
 
 from ivr.audio.echo import EchoPath, check_echo
 from ivr.audio.far_end import FarEndReference
-from ivr.call.interruptions import DEFAULT_POLICY
+from ivr.callio.interruption_policy import DEFAULT_POLICY
 from ivr.sim.echo import LineEcho, level_dbfs
 from ivr.sim.playout import TwilioPlayout, ulaw_decode, ulaw_encode
 from ivr.testing.echo_call import Voices

@@ -2,7 +2,7 @@
 
 While the bot holds on over a caller's sound (their backchannel habit, or a node's raised
 ``min_speech_ms``), the gateway transcribes the sound's audio so far once its speech spans
-``HOLD_PROBE_MS`` (``ivr.call.session``) and pauses the bot at once if the words are more than
+``HOLD_PROBE_MS`` (``ivr.call.barge_in``) and pauses the bot at once if the words are more than
 backchannel. The later the request, the more words it has, and the later the bot stops.
 The earlier, the likelier a real STT mishears a fragment: a backchannel heard as a word
 ("you") pauses the bot for nothing, and a sentence heard as nothing (or "Oh") waits for the
@@ -42,7 +42,7 @@ from ivr.audio.codec import FRAME_BYTES_PCM16, pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.endpointer import EndpointConfig, Endpointer, SpeechEnded
 from ivr.audio.resample import resample
 from ivr.audio.vad import SileroVad
-from ivr.call.interruptions import DEFAULT_POLICY
+from ivr.callio.interruption_policy import DEFAULT_POLICY
 from ivr.stt.whisper_local import LocalWhisperStt
 from ivr.testing.audio import piper_voice
 from ivr.tts.espeak_local import synthesize_pcm16

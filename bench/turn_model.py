@@ -35,13 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from turn_fixtures import COMPLETE, PAUSED, espeak_clip, paused_text, piper_clips
 
 from ivr.audio.resample import resample
-from ivr.call.turn_end import (
-    Completeness,
-    TurnPolicy,
-    policy_for,
-    silence_needed_ms,
-    text_completeness,
-)
+from ivr.call.turn_end import Completeness, silence_needed_ms, text_completeness
+from ivr.callio.turn_policy import TurnPolicy, policy_for
 from ivr.engines.smart_turn import SmartTurnModel, features
 
 PAUSE_MS = 700

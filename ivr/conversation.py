@@ -24,9 +24,8 @@ import httpx
 import structlog
 
 from ivr import phrases
-from ivr.call.io import CallIO
 from ivr.call.prompts import PromptCache
-from ivr.call.session import CallSession
+from ivr.callio.io import CallIO
 from ivr.control.answer import ANSWER_TIMEOUT, BEEP_TIMEOUT, AnswerBoard, watching_answer
 from ivr.flows.events import FlowState
 from ivr.flows.model import Flow
@@ -237,8 +236,9 @@ class FlowConversation:
             io, record.call_sid, self.answers, record.twilio_answered_by
         ) as watch:
             answered_by = await watch.answered_by(ANSWER_TIMEOUT)
-            if isinstance(io, CallSession):  # a machine's greeting runs on: its say waits
-                await io.forget_caller_input(until_quiet=answered_by != "machine")
+            audio = io.capabilities.caller_audio
+            if audio is not None:  # a machine's greeting runs on: its say waits
+                await audio.forget_caller_input(until_quiet=answered_by != "machine")
             await _save_answered_by(self._store, record, answered_by)
 
             async def wait_for_beep() -> None:
@@ -285,8 +285,9 @@ async def _persist(
     # The record gets a masked copy (ivr.flows.privacy); the call goes on with the real values.
     state = stored_state(flow, live)
     data = state.model_dump(mode="json")
-    turns = io.unsaved_turns() if isinstance(io, CallSession) else []
-    events = io.timeline.drain() if isinstance(io, CallSession) else []
+    turn_log, timeline = io.capabilities.turn_log, io.capabilities.timeline
+    turns = turn_log.unsaved_turns() if turn_log is not None else []
+    events = timeline.drain() if timeline is not None else []
 
     def save(record: CallRecord) -> None:
         if state.done:  # decided before the last prompt plays: a drop now must not resume it

@@ -26,7 +26,7 @@ from twilio.request_validator import RequestValidator
 
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import resample
-from ivr.call.io import CallIO
+from ivr.callio.io import CallIO
 from ivr.server import RunningServer
 from ivr.state.base import CallRecord, CallStatus
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault, default_speak

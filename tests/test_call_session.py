@@ -20,11 +20,11 @@ from ivr import phrases
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.endpointer import EndpointConfig, Endpointer
 from ivr.audio.vad import WebRtcVad
-from ivr.call import session as session_module
-from ivr.call.io import Digits, ListenSpec, Spoken, Utterance
+from ivr.call import barge_in as barge_in_module
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
 from ivr.call.session import CallEnd, CallSession
+from ivr.callio.io import Digits, ListenSpec, Spoken, Utterance
 from ivr.errors import ProviderError, ProviderErrorKind
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer
@@ -421,7 +421,7 @@ async def test_when_stt_fails_on_the_speech_that_paused_the_bot_the_interruption
 async def test_a_paused_prompt_whose_transcript_never_comes_goes_on(
     providers: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(session_module, "PAUSE_VERDICT_LIMIT_S", 0.3)
+    monkeypatch.setattr(barge_in_module, "PAUSE_VERDICT_LIMIT_S", 0.3)
     providers.faults["transcriptions"] = Fault(hang=True, times=10)
     async with live_call(providers, TwilioLine()) as call:
         saying = await call.say_soon(LONG_PROMPT)

@@ -12,7 +12,8 @@ from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.audio.echo import EchoPath, check_echo
 from ivr.audio.far_end import RATE, FarEndReference
 from ivr.audio.levels import active_level_db
-from ivr.call.interruptions import DEFAULT_POLICY, CallerLevel, echoes_bot
+from ivr.call.interruptions import CallerLevel, echoes_bot
+from ivr.callio.interruption_policy import DEFAULT_POLICY
 
 BOT = (
     "We are open from nine in the morning until six in the evening, Monday to Friday. "

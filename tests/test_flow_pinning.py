@@ -19,7 +19,7 @@ import structlog
 from redis_server import LOCAL_REDIS_URL, RedisServer
 from structlog.testing import capture_logs
 
-from ivr.call.io import ListenSpec
+from ivr.callio.io import ListenSpec
 from ivr.config import Settings
 from ivr.flows.model import AgentNode
 from ivr.flows.problems import FlowLoadError

@@ -26,13 +26,10 @@ from ivr.audio.echo import check_echo
 from ivr.audio.far_end import FarEndReference
 from ivr.audio.voicing import voiced_frames
 from ivr.audio.wav import pcm16_to_wav
-from ivr.call.interruptions import (
-    DEFAULT_POLICY,
-    BackchannelHabit,
-    InterruptionPolicy,
-)
+from ivr.call.interruptions import BackchannelHabit
 from ivr.call.player import AudioPlayer, phrase_start
-from ivr.call.timeline import backchannel_spans
+from ivr.callio.interruption_policy import DEFAULT_POLICY, InterruptionPolicy
+from ivr.callio.timeline import backchannel_spans
 from ivr.flows.loader import load_flow_text
 from ivr.flows.problems import FlowLoadError
 from ivr.flows.runner import FlowRunner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ivr.call.sentences import SentenceChunker, clean_for_speech
+from ivr.callio.sentences import SentenceChunker, clean_for_speech
 from ivr.testing.openai_server import split_tokens
 
 CASES: list[tuple[str, list[str]]] = [

@@ -24,16 +24,9 @@ from turn_fixtures import (
     silence,
 )
 
-from ivr.call.io import ListenSpec
-from ivr.call.turn_end import (
-    DEFAULT_POLICIES,
-    EndOfTurnDetector,
-    Expect,
-    TurnPolicy,
-    policy_for,
-    silence_needed_ms,
-    text_completeness,
-)
+from ivr.call.turn_end import EndOfTurnDetector, silence_needed_ms, text_completeness
+from ivr.callio.io import ListenSpec
+from ivr.callio.turn_policy import DEFAULT_POLICIES, Expect, TurnPolicy, policy_for
 from ivr.engines.smart_turn import (
     SAMPLE_RATE,
     SmartTurnModel,

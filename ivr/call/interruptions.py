@@ -19,7 +19,7 @@ Three questions, in the order the audio answers them:
 4. **This caller's habit.** Once a caller has backchanneled in a call, their sound over the bot
    pauses it only once it has lasted 200 ms longer than their longest backchannel so far
    (``BackchannelHabit``), or sooner if their words so far, transcribed while the bot holds
-   on, are more than backchannel (``CallSession``). The next "uh-huh" plays through, and their
+   on, are more than backchannel (``ivr.call.barge_in``). The next "uh-huh" plays through, and their
    real interruptions stop the bot later. A listener who says "mm-hmm" is not cut off at
    every one. The call's record keeps the habit: a resumed call goes on with it.
 
@@ -29,11 +29,9 @@ call and holds the caller-side audio the checks need.
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -44,16 +42,12 @@ from ivr.audio.echo import EchoCheck, EchoPath, check_echo
 from ivr.audio.far_end import RATE, FarEndReference
 from ivr.audio.levels import active_level_db, level_db
 from ivr.audio.voicing import voiced_frames
+from ivr.callio.interruption_policy import (
+    InterruptionPolicy,
+    words_of,
+)
 
 log = structlog.get_logger("ivr.call")
-
-DEFAULT_BACKCHANNELS: tuple[str, ...] = (
-    "uh-huh", "uh huh", "mm-hmm", "mm-hm", "mhm", "mm", "hmm", "um", "uh", "ah", "oh",
-    "okay", "ok", "yeah", "yep", "yup", "right", "sure", "i see", "got it", "alright",
-    "all right", "cool", "great",
-)  # fmt: skip
-"""Said to show the caller is listening, not to take the floor (English)."""
-
 
 FLOOR_FRAMES = 10
 """The line's noise floor is measured over this many frames (200 ms) at a time..."""
@@ -63,14 +57,6 @@ ECHO_DELAY_SLACK_S = 0.02
 """Jitter allowed around a known echo delay before searching the whole range again."""
 QUIET_DB = -50.0
 """Caller audio below this (dBFS) is nobody talking."""
-
-_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
-
-
-def words_of(text: str) -> list[str]:
-    """Lower-case words, punctuation dropped ("Mm-hmm." -> ["mm-hmm"])."""
-    return _WORD.findall(text.lower())
-
 
 ECHO_WORDS_SHARE = 0.7
 """Of a transcript's words, this share found in order in what the bot just said: its echo."""
@@ -96,36 +82,6 @@ def echoes_bot(text: str, bot_said: str, *, line_echoes: bool = True) -> bool:
             row[j] = diagonal + 1 if word == spoken else max(row[j], row[j - 1])
             diagonal = above
     return row[-1] >= ECHO_WORDS_SHARE * len(heard)
-
-
-@dataclass(frozen=True, slots=True)
-class InterruptionPolicy:
-    """How readily a prompt gives way to the caller (per node; see flows/README.md)."""
-
-    min_speech_ms: int = 100
-    """Voiced caller audio before the bot pauses (the endpointer's own minimum applies too)."""
-    min_words: int = 1
-    """Words (not counting backchannel) for an interruption to stand once transcribed."""
-    backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
-    echo_threshold: float = 0.6
-    """Correlation with the bot's audio above which caller sound is taken for echo."""
-    noise_hold_ms: int = 200
-    """Unvoiced sound is not an interruption until it has lasted this long from its onset."""
-    backchannel_hold_ms: int = 900
-    """Most that a caller's backchannel habit may raise ``min_speech_ms`` to (0: never)."""
-
-    def is_real_turn(self, text: str) -> bool:
-        """Enough words that are not backchannel to take the floor."""
-        words = words_of(text)
-        if not words:
-            return False
-        rest = " ".join(words)
-        for phrase in sorted(self.backchannels, key=len, reverse=True):  # "i see" before "i"
-            rest = re.sub(rf"(?<![\w'-]){re.escape(phrase.lower())}(?![\w'-])", " ", rest)
-        return len(rest.split()) >= self.min_words
-
-
-DEFAULT_POLICY = InterruptionPolicy()
 
 
 @dataclass(slots=True)
@@ -192,16 +148,6 @@ class CallerLevel:
         """``near`` is well under this caller's own level."""
         level = self.level_db
         return level is not None and active_level_db(near) < level - self.BACKGROUND_DB
-
-
-@runtime_checkable
-class SupportsInterruptionPolicy(Protocol):
-    """A ``CallIO`` whose prompts can be told how readily to give way (the audio session;
-    the text-mode runner has no audio to judge)."""
-
-    def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
-        """For the prompts that follow; None = the default."""
-        ...
 
 
 class Verdict(StrEnum):

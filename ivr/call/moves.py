@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from ivr.call.io import CallerInput, ListenSpec, Spoken
 from ivr.call.live import LiveCall
 from ivr.call.session import CallSession
+from ivr.callio.io import CallerInput, ListenSpec, Spoken
 from ivr.control.connect import StreamConnector
 from ivr.control.transfers import WarmTransfer
 from ivr.telephony.rest import TwilioRest

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ivr.audio.endpointer import Endpointer
-from ivr.call.io import CallIO
 from ivr.call.live import LiveCalls
 from ivr.call.prompts import PromptCache
 from ivr.call.turn_end import EndOfTurnDetector
+from ivr.callio.io import CallIO
 from ivr.control.connect import StreamConnector
 from ivr.control.tokens import StreamTokens
 from ivr.control.warm import WarmTransfers

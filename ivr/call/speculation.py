@@ -1,4 +1,5 @@
-"""The call side of speculative turns: what a call prefetches while the endpoint silence runs.
+"""The call side of speculative turns: what a call prefetches while the endpoint silence runs
+(the seam is ``ivr.callio.speculation``).
 
 The session transcribes the caller's audio as soon as they pause (``pause_ms``), and hands the
 tentative transcript to whoever registered for it (the flow runner, which may prefetch the LLM
@@ -12,10 +13,9 @@ on talking, or the turn is over).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncIterator
 
-from ivr.call.prefetch import Prefetch
+from ivr.callio.prefetch import Prefetch
 from ivr.tts.base import TextToSpeech
 
 MAX_SPEECH_PREFETCHES = 2
@@ -23,23 +23,6 @@ MAX_SPEECH_PREFETCHES = 2
 PREFETCH_READ_EVERY_S = 0.1
 """A prefetched sentence is read this often (its first audio at once): it plays only if the
 turn ends on these words, and fewer reads are fewer socket wakeups (``ivr.call.speech``)."""
-
-TentativeListener = Callable[[str | None], None]
-"""Called with a tentative transcript while the caller pauses, and with None when that
-transcript went stale (the caller went on talking). Must not block."""
-
-
-@runtime_checkable
-class SupportsSpeculation(Protocol):
-    """A ``CallIO`` that can tell its flow runner about a turn before it is over."""
-
-    def on_tentative_input(self, listener: TentativeListener | None) -> None:
-        """Register (or clear) the listener for tentative transcripts."""
-        ...
-
-    def prefetch_speech(self, text: str) -> None:
-        """Start synthesising ``text`` now, for a reply that may soon say it."""
-        ...
 
 
 class SpeculativeSpeech:

@@ -23,11 +23,11 @@ import structlog
 from ivr import phrases
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import StreamResampler
-from ivr.call.io import Spoken
 from ivr.call.player import AudioPlayer, Segment, heard_prefix
 from ivr.call.prompts import PromptCache
-from ivr.call.sentences import SentenceChunker
 from ivr.call.turns import CallStats, TurnTimings
+from ivr.callio.io import Spoken
+from ivr.callio.sentences import SentenceChunker
 from ivr.errors import ProviderError
 from ivr.obs import metrics
 from ivr.providers.resilience import turn_deadline

@@ -25,8 +25,8 @@ from ivr.call.moves import MovedCallSession
 from ivr.call.player import AudioPlayer
 from ivr.call.services import CallServices
 from ivr.call.session import CallEnd, CallSession, EndAction
-from ivr.call.timeline import backchannel_spans
 from ivr.call.turns import CallStats
+from ivr.callio.timeline import backchannel_spans
 from ivr.control.after_stream import StreamEnd, StreamOutcome, record_stream_end
 from ivr.control.connect import CallParams, record_from_start
 from ivr.control.handshake import POLICY_VIOLATION, authorise_stream

@@ -5,7 +5,7 @@ masked, and phone- or card-like text anywhere, unless ``pii``).
 
 The record keeps what the caller heard (``history``, bot text cut at a barge-in), one latency
 breakdown per answered turn (``turns``, see ``ivr.call.turns.TurnTimings.breakdown``) and its
-timeline (``timeline``: key presses, barge-ins, node changes; ``ivr.call.timeline``). A bot line
+timeline (``timeline``: key presses, barge-ins, node changes; ``ivr.callio.timeline``). A bot line
 is shown as cut off when a barge-in on the timeline heard exactly it, or when it stops
 mid-sentence and the caller spoke next (records written before the timeline existed). Key
 presses are shown only to the PII token; others see one ``*`` per key.

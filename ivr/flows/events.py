@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ivr.call.interruptions import InterruptionPolicy
-from ivr.call.io import ListenSpec
+from ivr.callio.interruption_policy import InterruptionPolicy
+from ivr.callio.io import ListenSpec
 from ivr.control.transfers import WarmTransfer
 from ivr.llm.base import ChatMessage, ToolSpec
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from ivr.call.interruptions import DEFAULT_BACKCHANNELS, InterruptionPolicy
-from ivr.call.turn_end import Expect
+from ivr.callio.interruption_policy import DEFAULT_BACKCHANNELS, InterruptionPolicy
+from ivr.callio.turn_policy import Expect
 from ivr.flows.problems import Path_
 from ivr.telephony.dialing import is_dialable
 

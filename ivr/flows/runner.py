@@ -21,10 +21,9 @@ from typing import Any
 import httpx
 import structlog
 
-from ivr.call.interruptions import InterruptionPolicy, SupportsInterruptionPolicy
-from ivr.call.io import CallIO, Digits, HungUp, NoInput, Spoken, Utterance
-from ivr.call.speculation import SupportsSpeculation
-from ivr.call.timeline import CallTimeline, HasTimeline
+from ivr.callio.interruption_policy import InterruptionPolicy
+from ivr.callio.io import CallIO, Digits, HungUp, NoInput, Spoken, Utterance
+from ivr.callio.timeline import CallTimeline
 from ivr.errors import ProviderError
 from ivr.flows.classifier import classifier_request
 from ivr.flows.engine import FlowRuntimeError, call_env, new_state, step
@@ -89,8 +88,8 @@ class FlowRunner:
         # turn ends on the same words (see ivr.flows.speculation).
         self.llm: LanguageModel | None = PrefetchingModel(llm) if llm is not None else None
         self._speculator = (
-            TurnSpeculator(flow, self.llm, io)
-            if isinstance(io, SupportsSpeculation) and isinstance(self.llm, PrefetchingModel)
+            TurnSpeculator(flow, self.llm, io.capabilities.speculation)
+            if io.capabilities.speculation is not None and isinstance(self.llm, PrefetchingModel)
             else None
         )
         self._state: FlowState | None = None
@@ -101,18 +100,19 @@ class FlowRunner:
         self.resume_prompt = resume_prompt
         self.wait_for_beep = wait_for_beep
         # Key presses, barge-ins and node changes, for the call record (saved with each step).
-        self.timeline: CallTimeline | None = io.timeline if isinstance(io, HasTimeline) else None
+        self.timeline: CallTimeline | None = io.capabilities.timeline
 
     async def run(self, state: FlowState | None = None) -> FlowState:
         """Run until the call ends (hang-up, transfer, caller gone); returns the final state."""
         speculator = self._speculator
-        if speculator is None or not isinstance(self.io, SupportsSpeculation):
+        speculation = self.io.capabilities.speculation
+        if speculator is None or speculation is None:
             return await self._run(state)
-        self.io.on_tentative_input(speculator.on_tentative)
+        speculation.on_tentative_input(speculator.on_tentative)
         try:
             return await self._run(state)
         finally:
-            self.io.on_tentative_input(None)
+            speculation.on_tentative_input(None)
             await speculator.aclose()
 
     async def _run(self, state: FlowState | None) -> FlowState:
@@ -183,8 +183,9 @@ class FlowRunner:
         return state, kept
 
     def _interruptions(self, policy: InterruptionPolicy | None) -> None:
-        if isinstance(self.io, SupportsInterruptionPolicy):
-            self.io.set_interruption_policy(policy)
+        control = self.io.capabilities.interruptions
+        if control is not None:
+            control.set_interruption_policy(policy)
 
     async def _execute(self, actions: list[FlowAction]) -> FlowEvent | None:
         for action in actions:

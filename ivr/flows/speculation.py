@@ -19,9 +19,9 @@ from typing import Any
 
 import structlog
 
-from ivr.call.prefetch import Prefetch
-from ivr.call.sentences import SentenceChunker
-from ivr.call.speculation import SupportsSpeculation
+from ivr.callio.prefetch import Prefetch
+from ivr.callio.sentences import SentenceChunker
+from ivr.callio.speculation import Speculation
 from ivr.flows.classifier import classifier_request
 from ivr.flows.engine import step
 from ivr.flows.events import AgentTurn, CallerSaid, ClassifyIntent, FlowState, Say
@@ -117,7 +117,7 @@ class PrefetchingModel:
 class TurnSpeculator:
     """Owned by a ``FlowRunner``: reacts to the call's tentative transcripts."""
 
-    def __init__(self, flow: Flow, llm: PrefetchingModel | None, io: SupportsSpeculation) -> None:
+    def __init__(self, flow: Flow, llm: PrefetchingModel | None, io: Speculation) -> None:
         self._flow = flow
         self._llm = llm
         self._io = io

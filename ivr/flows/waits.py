@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ivr.call.io import ListenSpec
-from ivr.call.turn_end import TurnPolicy, policy_for
+from ivr.callio.io import ListenSpec
+from ivr.callio.turn_policy import TurnPolicy, policy_for
 from ivr.flows.events import FlowState, HttpRequest, HttpResult, KeptAnswer, SentRequest
 from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode, TurnSpec
 from ivr.flows.template import lookup, render, render_url, render_value

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ivr.call.io import ListenSpec
+from ivr.callio.io import ListenSpec
 from ivr.flows.events import FlowState
 from ivr.flows.loader import load_flow
 from ivr.flows.model import Flow

@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ivr.call.interruptions import DEFAULT_POLICY, InterruptionPolicy
-from ivr.call.io import (
+from ivr.callio.interruption_policy import DEFAULT_POLICY, InterruptionPolicy
+from ivr.callio.io import (
     CallerInput,
+    Capabilities,
     Digits,
     HungUp,
     ListenSpec,
@@ -67,6 +68,10 @@ class TextCallIO:
     @classmethod
     def scripted(cls, turns: Iterable[CallerTurn]) -> TextCallIO:
         return cls(script=collections.deque(turns))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(interruptions=self)  # no audio: nothing to speculate on or time
 
     @property
     def bot_lines(self) -> list[str]:

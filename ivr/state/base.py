@@ -196,7 +196,7 @@ class CallRecord(BaseModel):
     turns_limit: int = Field(default=DEFAULT_TURNS_LIMIT, ge=1)
     timeline: list[dict[str, Any]] = Field(default_factory=list)
     """What happened on the call besides its words, oldest first: ``{"at": ISO time, "kind":
-    "dtmf" | "barge_in" | "backchannel" | "node", ...}`` (see ``ivr.call.timeline``); the newest
+    "dtmf" | "barge_in" | "backchannel" | "node", ...}`` (see ``ivr.callio.timeline``); the newest
     ``timeline_limit`` are kept. Key presses are stored as the flow stores answers."""
     timeline_limit: int = Field(default=DEFAULT_TIMELINE_LIMIT, ge=1)
     outcome: Outcome | None = None

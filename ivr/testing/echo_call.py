@@ -124,7 +124,7 @@ class Voices:
 
     @classmethod
     async def render(cls, bot_voice: str = "piper") -> Voices:
-        from ivr.call.sentences import SentenceChunker
+        from ivr.callio.sentences import SentenceChunker
         from ivr.tts.espeak_local import synthesize_pcm16
 
         chunker = SentenceChunker()  # the pieces the gateway will ask the TTS for

@@ -12,11 +12,14 @@ strings. Both give the runner the same guarantees:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ivr.call.turn_end import TurnPolicy
+from ivr.callio.interruption_policy import InterruptionPolicy
+from ivr.callio.speculation import Speculation
+from ivr.callio.timeline import CallTimeline
+from ivr.callio.turn_policy import TurnPolicy
 from ivr.control.transfers import WarmTransfer
 
 
@@ -71,7 +74,52 @@ class HungUp:
 CallerInput = Utterance | Digits | NoInput | HungUp
 
 
+class InterruptionControl(Protocol):
+    def set_interruption_policy(self, policy: InterruptionPolicy | None) -> None:
+        """For the prompts that follow; None = the default."""
+        ...
+
+
+class TurnLog(Protocol):
+    def unsaved_turns(self) -> list[dict[str, float]]:
+        """Turn latencies not yet handed to the call store (each is handed out once)."""
+        ...
+
+
+class CallerAudio(Protocol):
+    def add_audio_tap(self, tap: Callable[[bytes], None]) -> None:
+        """``tap`` gets every inbound payload as PCM16 8 kHz (answering machine detection)."""
+        ...
+
+    async def forget_caller_input(self, limit: float = 3.0, until_quiet: bool = False) -> None:
+        """Drop what the caller said so far (an outbound callee's "Hello?")."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a ``CallIO`` does besides speaking, listening and leaving, declared by each
+    implementation (None: it cannot). The flow runner reads these; it never asks what class
+    the ``CallIO`` is."""
+
+    interruptions: InterruptionControl | None = None
+    """Its prompts can be told how readily to give way (the audio session; text has none)."""
+    speculation: Speculation | None = None
+    """It tells the flow about a turn before it is over, and prefetches speech."""
+    timeline: CallTimeline | None = None
+    """Key presses, barge-ins, backchannels and nodes, saved with the call's steps."""
+    turn_log: TurnLog | None = None
+    """The latency of each answered turn, saved with the call's steps."""
+    caller_audio: CallerAudio | None = None
+    """The caller's audio, for answering machine detection, and their greeting to forget."""
+
+
 class CallIO(Protocol):
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this call offers beyond the methods below."""
+        ...
+
     async def say(self, text: str, *, interruptible: bool = True) -> Spoken:
         """Speak ``text`` and wait until it has played (or was interrupted)."""
         ...

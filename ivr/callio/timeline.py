@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 from ivr.state.base import DEFAULT_TIMELINE_LIMIT
 
@@ -55,10 +55,3 @@ def backchannel_spans(events: Iterable[TimelineEvent]) -> list[int]:
         if isinstance(span, int) and not isinstance(span, bool) and span > 0:
             spans.append(span)
     return spans
-
-
-@runtime_checkable
-class HasTimeline(Protocol):
-    """A ``CallIO`` that keeps a timeline (the gateway's ``CallSession``)."""
-
-    timeline: CallTimeline

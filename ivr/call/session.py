@@ -60,8 +60,8 @@ from ivr.call.turn_end import (
     Completeness,
     TurnModel,
     TurnPolicy,
+    judge_words,
     silence_needed_ms,
-    text_completeness,
 )
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.control.transfers import WarmTransfer
@@ -414,9 +414,7 @@ class CallSession:
         if spec is None:
             return None
         policy = spec.turn
-        verdict = text_completeness(
-            text, policy.expect, policy.digits, last_word_probability=last_word_probability
-        )
+        verdict = judge_words(policy, text, last_word_probability)
         if verdict != "unknown" or self._turn_model is None:
             silence = silence_needed_ms(policy, None, verdict)
             self._endpointer.set_silence_ms(silence)

@@ -14,7 +14,14 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from ivr.call.interruptions import DEFAULT_BACKCHANNELS, InterruptionPolicy
@@ -463,19 +470,22 @@ class AgentTool(Spec):
         "default every argument whose schema declares a shape: a digits pattern, a date).",
     )
 
-    @model_validator(mode="after")
-    def _expects_arguments(self) -> AgentTool:
-        properties = self.parameters.get("properties") or {}
-        for name, expected in self.expects.items():
+    @field_validator("expects")
+    @classmethod
+    def _expects_arguments(
+        cls, value: dict[str, ExpectedArgument], info: ValidationInfo
+    ) -> dict[str, ExpectedArgument]:
+        properties = (info.data.get("parameters") or {}).get("properties") or {}
+        for name, expected in value.items():
             if name not in properties:
                 known = ", ".join(properties) or "none"
-                raise ValueError(f"expects: '{name}' is not one of its parameters ({known})")
+                raise ValueError(f"'{name}' is not one of its parameters ({known})")
             if expected.expect is None and schema_shape(properties[name]) is None:
                 raise ValueError(
-                    f"expects: '{name}': its schema declares no shape (a pattern like "
-                    "^\\d{8}$, format: date, an integer's minimum and maximum); give 'expect:'"
+                    f"'{name}': its schema declares no shape (a pattern like ^\\d{{8}}$, "
+                    "format: date, an integer's minimum and maximum); give 'expect:'"
                 )
-        return self
+        return value
 
 
 class AgentNode(NodeBase):

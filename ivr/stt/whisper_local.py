@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,39 @@ def _load_model(cpu_threads: int) -> Any:
     )
     end_of_text = model.hf_tokenizer.token_to_id("<|endoftext|>")
     model.model = _ScoresItsWords(model.model, end_of_text)
+    model.encode = _ShortWindow(model.encode)
     return model
+
+
+FULL_WINDOW = 3000
+"""Whisper's window: 30 s of 10 ms feature frames, the utterance padded with silence."""
+WINDOW_PAD_S = 1.0
+"""Silence kept after the utterance in a short window (whisper needs to hear it stop)."""
+
+
+def window_frames(samples: int, sample_rate: int = 16000) -> int:
+    """The utterance plus ``WINDOW_PAD_S``, in whole seconds of frames, at most 30 s."""
+    seconds = math.ceil(samples / sample_rate + WINDOW_PAD_S)
+    return min(FULL_WINDOW, 100 * seconds)
+
+
+class _ShortWindow:
+    """faster-whisper's ``encode``, over the first ``frames`` of its 30 s window only.
+
+    faster-whisper pads every utterance to 30 s, and the encoder's cost grows with its input:
+    on a 2-core machine tiny.en encodes 30 s in ~250 ms and 3 s in ~30 ms, for a 1-3 s turn
+    that is mostly silence (bench/whisper_beam.py --window compares what it hears). The
+    encoder takes any length up to its 1500 positions; the decoder attends to what it got.
+    """
+
+    def __init__(self, encode: Any) -> None:
+        self._encode = encode
+        self.frames = FULL_WINDOW
+
+    def __call__(self, features: Any) -> Any:
+        if features.shape[-1] > self.frames:
+            features = features[..., : self.frames]
+        return self._encode(features)
 
 
 class _ScoresItsWords:
@@ -117,8 +150,10 @@ class LocalWhisperStt:
         beam_size: int = 1,
         timeout_s: float = 10.0,
         prompt: str | None = None,
+        short_window: bool = False,
     ) -> None:
-        """``prompt`` primes the decoder with expected vocabulary (menu words, product names)."""
+        """``prompt`` primes the decoder with expected vocabulary (menu words, product names);
+        ``short_window`` encodes the utterance and a second of silence, not whisper's 30 s."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if timeout_s <= 0:
@@ -127,6 +162,7 @@ class LocalWhisperStt:
         self._beam_size = beam_size
         self._timeout_s = timeout_s
         self._prompt = prompt
+        self._short_window = short_window
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whisper")
         self._model: Any = None
         self._load_lock = asyncio.Lock()
@@ -166,6 +202,8 @@ class LocalWhisperStt:
     def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> tuple[str, float | None]:
         scored: _ScoresItsWords = self._model.model
         scored.tokens, scored.probabilities = [], None
+        window: _ShortWindow = self._model.encode
+        window.frames = window_frames(audio.size) if self._short_window else FULL_WINDOW
         segments, _info = self._model.transcribe(
             audio,
             language="en",

@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument(
         "--window",
         action="store_true",
-        help="beam 5 with whisper's 30 s window against the short one (the utterance + 1 s)",
+        help="beam 5 with whisper's 30 s window against the short one (utterance + 1 s, >= 10 s)",
     )
     args = parser.parse_args()
     print(f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, runs {args.runs}")
@@ -168,7 +168,7 @@ def main() -> None:
     if args.window:
         for short in (False, True):
             heard = asyncio.run(decode(5, every, args.runs, short))
-            report(5, heard, "utterance + 1 s" if short else "30 s")
+            report(5, heard, "utterance + 1 s, >= 10 s" if short else "30 s")
     else:
         for beam in (1, 5):
             report(beam, asyncio.run(decode(beam, every, args.runs)))

@@ -362,7 +362,9 @@ def test_whisper_s_words_at_a_mid_sentence_pause_never_end_the_turn_early() -> N
         text: silence_needed_ms(policy, None, text_completeness(text, last_word_probability=p))
         for text, p in heard
     }
-    early = {text: ms for text, ms in waits.items() if ms <= 700}
+    # Under 700 ms: a number read out ("four five six" -> "456.") waits exactly 700 ms, the
+    # longest issue 22 lets a number of unknown length hold the turn.
+    early = {text: ms for text, ms in waits.items() if ms < 700}
     assert len(early) <= 1, (early, heard)  # a mishearing that looks finished may slip through
     assert all(p is not None and 0.0 <= p <= 1.0 for _, p in heard), heard
 

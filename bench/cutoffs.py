@@ -22,8 +22,8 @@ closer to a person's and which whisper hears far better (WER 6-9 % against 36-46
 
 Two ways to end a turn, on the same gateway code:
 
-- ``words``: the default (speculation at a 60 ms pause; an open clause or unread digits wait
-  the node's longest pause, 1.5 s).
+- ``words``: the default (speculation at a 60 ms pause; an open clause or digits still missing
+  wait the node's longest pause, 1.5 s; a number of unknown length 700 ms).
 - ``silence``: speculation off, so nothing is transcribed before the turn ends: 300 ms of
   silence ends every turn (the control, and what the gateway did before).
 

@@ -12,6 +12,7 @@ speculation transcribes them), and how many of each fall under ``UNSURE_LAST_WOR
 clip under it waits longer (good), a finished one under it waits longer too (the cost).
 
     .venv/bin/python bench/whisper_beam.py [--runs 3]
+    .venv/bin/python bench/whisper_beam.py --window     # beam 5: 30 s window vs utterance + 1 s
 
 Run it on an otherwise idle machine: CPU seconds are process-wide.
 """
@@ -91,8 +92,10 @@ def clips() -> list[Clip]:
     return out
 
 
-async def decode_all(beam: int, prompt: str | None, todo: list[Clip], runs: int) -> list[Heard]:
-    stt = LocalWhisperStt(beam_size=beam, prompt=prompt)
+async def decode_all(
+    beam: int, prompt: str | None, todo: list[Clip], runs: int, short: bool = False
+) -> list[Heard]:
+    stt = LocalWhisperStt(beam_size=beam, prompt=prompt, short_window=short)
     await stt.warm()
     heard = []
     try:
@@ -111,16 +114,16 @@ async def decode_all(beam: int, prompt: str | None, todo: list[Clip], runs: int)
     return heard
 
 
-async def decode(beam: int, every: list[Clip], runs: int) -> list[Heard]:
+async def decode(beam: int, every: list[Clip], runs: int, short: bool = False) -> list[Heard]:
     plain = [c for c in every if c.prompt is None]
     primed = [c for c in every if c.prompt is not None]
-    return await decode_all(beam, None, plain, runs) + await decode_all(
-        beam, DEMO_VOCABULARY, primed, runs
+    return await decode_all(beam, None, plain, runs, short) + await decode_all(
+        beam, DEMO_VOCABULARY, primed, runs, short
     )
 
 
-def report(beam: int, heard: list[Heard]) -> None:
-    print(f"\nwhisper tiny.en, beam {beam}")
+def report(beam: int, heard: list[Heard], window: str = "30 s") -> None:
+    print(f"\nwhisper tiny.en, beam {beam}, encoder window {window}")
     for voice in ("espeak", "piper"):
         finished = [h for h in heard if h.clip.voice == voice and not h.clip.paused]
         wer = jiwer.wer(
@@ -154,11 +157,21 @@ def report(beam: int, heard: list[Heard]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="decodes per clip (latency)")
+    parser.add_argument(
+        "--window",
+        action="store_true",
+        help="beam 5 with whisper's 30 s window against the short one (utterance + 1 s, >= 10 s)",
+    )
     args = parser.parse_args()
     print(f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, runs {args.runs}")
     every = clips()  # before the event loop: piper's renderer runs its own
-    for beam in (1, 5):
-        report(beam, asyncio.run(decode(beam, every, args.runs)))
+    if args.window:
+        for short in (False, True):
+            heard = asyncio.run(decode(5, every, args.runs, short))
+            report(5, heard, "utterance + 1 s, >= 10 s" if short else "30 s")
+    else:
+        for beam in (1, 5):
+            report(beam, asyncio.run(decode(beam, every, args.runs)))
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 

@@ -19,7 +19,7 @@ from ivr.audio.endpointer import Endpointer, SpeechPaused
 from ivr.audio.resample import resample
 from ivr.call.speaking import Speaker
 from ivr.call.speech import HEARD_MARGIN
-from ivr.call.turn_end import Completeness, TurnModel, silence_needed_ms, text_completeness
+from ivr.call.turn_end import Completeness, TurnModel, judge_words, silence_needed_ms
 from ivr.callio.io import ListenSpec
 from ivr.callio.speculation import TentativeListener
 from ivr.callio.turn_policy import TurnPolicy
@@ -136,9 +136,7 @@ class TurnSpeculation:
         if spec is None:
             return None
         policy = spec.turn
-        verdict = text_completeness(
-            text, policy.expect, policy.digits, last_word_probability=last_word_probability
-        )
+        verdict = judge_words(policy, text, last_word_probability)
         if verdict != "unknown" or self._turn_model is None:
             silence = silence_needed_ms(policy, None, verdict)
             self._endpointer.set_silence_ms(silence)

@@ -26,21 +26,21 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal, Protocol
 
 import structlog
 
+from ivr.call import answer_shapes as shapes
 from ivr.callio.turn_policy import Expect, TurnPolicy
 from ivr.errors import ProviderError, ProviderErrorKind
 from ivr.obs import metrics
 
 log = structlog.get_logger("ivr.turn_end")
 
-Completeness = Literal["complete", "incomplete", "unsure", "unknown"]
+Completeness = Literal["complete", "incomplete", "number", "unsure", "unknown"]
+"""``number``: the words end in a number (or date) that may be whole or go on."""
 Outcome = Literal["complete", "incomplete", "unavailable", "timeout", "error"]
-
 PHONE_RATE: Final = 8000
 
 
@@ -53,7 +53,6 @@ def _words(*lines: str) -> frozenset[str]:
     return frozenset(" ".join(lines).split())
 
 
-_DIGIT_WORDS: Final = _words("zero oh one two three four five six seven eight nine")
 _DANGLING: Final = _words(
     # conjunctions and clause openers
     "and but or so because cause if then which when while although though unless than "
@@ -91,8 +90,6 @@ _NOUN_OPENERS: Final = _words("a an the my your our their his her")
 _ATTRIBUTIVE: Final = _words(
     "new old big small large different whole separate extra spare current previous"
 )
-NUMBER_DIGITS: Final = 10
-"""A number the caller names ("my number is ...") with fewer digits than this may go on."""
 UNSURE_LAST_WORD: Final = 0.8
 """An STT's probability for the last word below this makes words that settle nothing
 "unsure": a small model "finishes" a dangling word ("the" -> "them.", "for" -> "for it.")
@@ -107,60 +104,27 @@ _CLOSERS: Final = (
 )  # fmt: skip
 
 
-def _digit_count(words: list[str]) -> int:
-    """Digits said so far: numerals ("4567", "4,5,6") count each digit, words count one."""
-    count = 0
-    for word in words:
-        if word.isdigit():
-            count += len(word)
-        elif word in _DIGIT_WORDS:
-            count += 1
-    return count
-
-
-def _trailing(words: list[str], digit: Callable[[str], bool]) -> int:
-    """How many of the last words are ``digit``s."""
-    run = 0
-    for word in reversed(words):
-        if not digit(word):
-            break
-        run += 1
-    return run
-
-
-def _reading_a_number(words: list[str]) -> bool:
-    """The caller was saying which number ("my account number is 456"): it ends in digits
-    (as words or numerals) after they named it, fewer than a phone number has. An STT writes
-    "four five six" as "456", so the digits read one by one may come as one numeral."""
-    run = _trailing(words, lambda w: w.isdigit() or w in _DIGIT_WORDS)
-    if run == 0 or "number" not in words[:-run]:
-        return False
-    return _digit_count(words[-run:]) < NUMBER_DIGITS
-
-
-def _reading_digits(words: list[str]) -> bool:
-    """The words end in two or more digits said one by one ("four five six", "4 5 6"): a
-    number being read out, which callers do in groups with pauses between them."""
-    return _trailing(words, lambda w: w in _DIGIT_WORDS or (w.isdigit() and len(w) == 1)) >= 2
-
-
 def text_completeness(
     transcript: str | None,
     expect: Expect = "any",
     digits: int | None = None,
     *,
+    max_digits: int | None = None,
+    answers: tuple[str, ...] = (),
     last_word_probability: float | None = None,
 ) -> Completeness:
     """Whether the words so far finish an answer of the kind ``expect``.
 
     "incomplete": the last word leaves a clause open ("and", "the", "my number is", "uh") or a
-    noun phrase ("a new"), the transcript trails off ("..."), fewer than ``digits`` digits have
-    been said, or (other than a digits answer) it ends in digits read one by one: a number may
-    go on. "complete": all ``digits`` digits are in, a yes/no answer to a yes/no question, or
-    a closing phrase ("thank you", "that's all"). "unsure": a subject and its auxiliary end
-    it ("yes, that is", "and I have"), which may be a whole answer or go on, or the STT was
-    not sure of the last word (``last_word_probability`` below ``UNSURE_LAST_WORD``).
-    Otherwise "unknown": the audio model and silence decide.
+    noun phrase ("a new"), the transcript trails off ("..."), or an answer of known shape is
+    not whole yet (fewer than ``digits`` digits, a ZIP+4 half read, a date's year begun).
+    "number": it ends in a number (or date) that may be whole or go on: digits of unknown
+    length, or within ``digits``..``max_digits``. "complete": the expected value is whole
+    (``ivr.call.answer_shapes``), a yes/no answer to a yes/no question, an answer that ends
+    with one of ``answers``, or a closing phrase ("thank you", "that's all"). "unsure": a
+    subject and its auxiliary end it ("yes, that is", "and I have"), which may be a whole
+    answer or go on, or the STT was not sure of the last word (``last_word_probability``
+    below ``UNSURE_LAST_WORD``). Otherwise "unknown": the audio model and silence decide.
     """
     if transcript is None or not transcript.strip():
         return "unknown"
@@ -171,30 +135,66 @@ def text_completeness(
     if text.endswith(("...", "…", "-", "—")):
         return "incomplete"
     last = words[-1]
+    shaped = _shape_verdict(words, text, expect, digits, max_digits)
+    if shaped is not None:
+        return "incomplete" if shaped == "number" and last in _DANGLING else shaped
     pair = (words[-2], last) if len(words) >= 2 else None
     elliptical = pair in _ELLIPTICAL_PAIRS and (len(words) < 3 or words[-3] not in _QUESTION_WORDS)
     closing = pair in _CLOSING_PAIRS or pair in _ELLIPTICAL_PAIRS
-    if expect == "digits":
-        said = _digit_count(words)
-        if digits is not None and said >= digits:
-            return "complete"
-        if said and digits is not None:
-            return "incomplete"
     if text.rstrip(".!?, ").endswith(_CLOSERS):
         return "complete"
     if last in _DANGLING and not closing:
         return "incomplete"
     if len(words) >= 2 and words[-2] in _NOUN_OPENERS and last in _ATTRIBUTIVE:
         return "incomplete"
-    if expect != "digits" and (_reading_digits(words) or _reading_a_number(words)):
-        return "incomplete"  # a digits answer counts its digits itself
+    if expect in ("any", "yes_no") and shapes.reading_a_number(words):
+        return "number"
     if expect == "yes_no" and (words[0] in _YES_NO or last in _YES_NO):
+        return "complete"
+    if answers and _ends_with_answer(words, answers):
         return "complete"
     if elliptical:
         return "unsure"
     if last_word_probability is not None and last_word_probability < UNSURE_LAST_WORD:
         return "unsure"
     return "unknown"
+
+
+def judge_words(
+    policy: TurnPolicy, transcript: str | None, last_word_probability: float | None = None
+) -> Completeness:
+    """``text_completeness`` of ``transcript`` for what ``policy`` expects."""
+    return text_completeness(
+        transcript,
+        policy.expect,
+        policy.digits,
+        max_digits=policy.max_digits,
+        answers=policy.answers,
+        last_word_probability=last_word_probability,
+    )
+
+
+def _shape_verdict(
+    words: list[str], text: str, expect: Expect, digits: int | None, max_digits: int | None
+) -> shapes.ShapeVerdict | None:
+    if expect == "digits":
+        return shapes.digits_verdict(words, digits, max_digits)
+    if expect == "zip":
+        return shapes.zip_verdict(words)
+    if expect == "date":
+        return shapes.date_verdict(words, text)
+    return None
+
+
+def _ends_with_answer(words: list[str], answers: tuple[str, ...]) -> bool:
+    """The words end with one of ``answers``, give or take one word after it ("a mountain
+    bike" for "mountain", "booking please"): what comes after an answer is not a new clause."""
+    for answer in answers:
+        want = _WORD.findall(answer.lower())
+        n = len(want)
+        if n and (words[-n:] == want or words[-n - 1 : -1] == want):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- the decision
@@ -207,7 +207,8 @@ def silence_needed_ms(
 
     The transcript decides when it can: an open clause or missing digits wait the longest
     (``max_silence_ms``), a finished yes/no or digit answer the shortest (``min_silence_ms``),
-    words that may go on or not ``unsure_silence_ms``. Otherwise the model: below
+    words that may go on or not ``unsure_silence_ms``, a number that may go on
+    ``number_silence_ms`` (never past the longest pause). Otherwise the model: below
     ``incomplete_below`` the longest wait, at or above ``complete_above`` (when set) the
     shortest, else ``fallback_silence_ms``, which is also the answer with neither signal.
     """
@@ -217,6 +218,8 @@ def silence_needed_ms(
         return policy.min_silence_ms
     if text == "unsure":
         return policy.unsure_silence_ms
+    if text == "number":
+        return max(policy.min_silence_ms, min(policy.number_silence_ms, policy.max_silence_ms))
     if p_audio is None:
         return policy.fallback_silence_ms
     if policy.complete_above is not None and p_audio >= policy.complete_above:
@@ -329,7 +332,7 @@ class EndOfTurnDetector:
     ) -> TurnDecision:
         """How much silence ends this turn. The model is asked only when the transcript
         leaves it open and the policy has a range to choose from (saves its CPU)."""
-        text = text_completeness(transcript, policy.expect, policy.digits)
+        text = judge_words(policy, transcript)
         p_audio = None
         if text == "unknown" and policy.min_silence_ms < policy.max_silence_ms:
             p_audio = await self.audio_probability(pcm16_8k)

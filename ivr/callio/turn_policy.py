@@ -6,11 +6,14 @@ Flows declare a ``TurnPolicy`` per node (``ivr.flows.waits``); the call's endpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
-Expect = Literal["any", "digits", "yes_no"]
-"""What a listening node waits for: free speech, a number read out digit by digit, yes or no."""
+Expect = Literal["any", "digits", "yes_no", "zip", "date"]
+"""What a listening node waits for: free speech, a number read out digit by digit (of a known
+length or not), yes or no, a US ZIP code (5 or 9 digits), a calendar date."""
+EXPECT_KINDS: Final[tuple[Expect, ...]] = ("any", "digits", "yes_no", "zip", "date")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,18 @@ class TurnPolicy:
     """The turn is clearly unfinished ("my number is", "and", digits still missing)."""
     expect: Expect = "any"
     digits: int | None = None
-    """With ``expect="digits"``: how many digits the answer has, if fixed."""
+    """With ``expect="digits"``: how many digits the answer has (with ``max_digits``: at
+    least). None and no ``max_digits``: a number of unknown length."""
+    max_digits: int | None = None
+    """With ``expect="digits"``: the answer has ``digits`` to this many digits."""
+    number_silence_ms: int = 700
+    """A number that may be whole or go on (its length unknown, or within its range): the
+    pause that ends it, between ``min_silence_ms`` and ``max_silence_ms``. Callers pause
+    between the groups of a number for less than this; longer, they are mostly done."""
+    answers: tuple[str, ...] = field(default=(), compare=False)
+    """Phrases that are whole answers here (a menu's spoken options, an ask node's intent
+    examples): an answer that ends with one is complete. Not part of the timing, so not of
+    equality either (a node with the default timing keeps the gateway's endpoint)."""
     fallback_silence_ms: int = 300
     """Nothing to go on (no transcript yet, no model answer): plain silence endpointing."""
     complete_above: float | None = None
@@ -54,17 +68,23 @@ class TurnPolicy:
                 "need 0 <= incomplete_below <= complete_above <= 1, got "
                 f"{self.incomplete_below}, {self.complete_above}"
             )
-        if self.digits is not None and (self.expect != "digits" or self.digits < 1):
-            raise ValueError("digits: a positive count, only with expect='digits'")
+        for name in ("digits", "max_digits"):
+            count = getattr(self, name)
+            if count is not None and (self.expect != "digits" or count < 1):
+                raise ValueError(f"{name}: a positive count, only with expect='digits'")
+        if self.max_digits is not None and self.max_digits < (self.digits or 1):
+            raise ValueError(f"max_digits ({self.max_digits}) is below digits ({self.digits})")
 
 
 # What each kind of answer gets when the flow sets no numbers: digits are read out in groups
-# with pauses between them; a yes/no answer is over as soon as it is said.
+# with pauses between them, so a part of one waits long; a whole one ends at the normal
+# endpoint. A yes/no answer is over as soon as it is said.
+_SHAPED: Final = TurnPolicy(min_silence_ms=300, max_silence_ms=2500, fallback_silence_ms=1500)
 DEFAULT_POLICIES: Final[dict[Expect, TurnPolicy]] = {
     "any": TurnPolicy(),
-    "digits": TurnPolicy(
-        min_silence_ms=500, max_silence_ms=2500, fallback_silence_ms=1500, expect="digits"
-    ),
+    "digits": replace(_SHAPED, expect="digits"),
+    "zip": replace(_SHAPED, expect="zip"),
+    "date": replace(_SHAPED, expect="date"),
     "yes_no": TurnPolicy(
         min_silence_ms=200, max_silence_ms=1000, fallback_silence_ms=500, expect="yes_no"
     ),
@@ -75,9 +95,12 @@ def policy_for(
     expect: Expect = "any",
     *,
     digits: int | None = None,
+    max_digits: int | None = None,
     min_silence_ms: int | None = None,
     max_silence_ms: int | None = None,
     fallback_silence_ms: int | None = None,
+    number_silence_ms: int | None = None,
+    answers: tuple[str, ...] = (),
 ) -> TurnPolicy:
     """The default policy for ``expect`` with the given values replacing its defaults.
 
@@ -96,7 +119,10 @@ def policy_for(
         max_silence_ms=high,
         expect=expect,
         digits=digits,
+        max_digits=max_digits,
         fallback_silence_ms=middle,
+        number_silence_ms=number_silence_ms or base.number_silence_ms,
         complete_above=base.complete_above,
         incomplete_below=base.incomplete_below,
+        answers=answers,
     )

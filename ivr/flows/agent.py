@@ -107,7 +107,9 @@ class AgentSteps(NodeSteps):
             self._listen(node)
 
     def _listen(self, node: AgentNode) -> None:
-        self.ctx.actions.append(Listen(listen_spec(self.flow, node)))
+        history = self.state.history
+        said = history[-1].content if history and history[-1].role == "assistant" else None
+        self.ctx.actions.append(Listen(listen_spec(self.flow, node, said)))
         self.state.waiting = "input"
 
     def caller_input(

@@ -14,12 +14,20 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from ivr.callio.interruption_policy import DEFAULT_BACKCHANNELS, InterruptionPolicy
-from ivr.callio.turn_policy import Expect
 from ivr.flows.problems import Path_
+from ivr.flows.schema_shape import schema_shape
+from ivr.flows.turn_spec import ExpectedArgument, TurnSpec
 from ivr.telephony.dialing import is_dialable
 
 NodeName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
@@ -354,58 +362,6 @@ class SayNode(NodeBase):
         yield self.text
 
 
-class TurnSpec(Spec):
-    """When a spoken answer is over: the pause that ends it, by what the node waits for.
-
-    A pause ends the turn after ``min_silence_ms`` when the answer is clearly complete, after
-    ``max_silence_ms`` when it is clearly not ("my number is", "and", digits still missing),
-    and in between by how sure the end-of-turn model is. Unset values come from ``expect``.
-    """
-
-    expect: Expect = Field(
-        default="any",
-        description="any: free speech (250-1500 ms, 300 when unsure); digits: a number read "
-        "out, e.g. an account number (500-2500 ms); yes_no: a yes/no question (200-1000 ms).",
-    )
-    digits: int | None = Field(
-        default=None,
-        ge=1,
-        le=32,
-        description="expect: digits only: how many digits the answer has (default: the node's "
-        "digits.num_digits); once they are all said, a short pause ends the turn.",
-    )
-    min_silence_ms: int | None = Field(
-        default=None, ge=100, le=3000, description="Pause that ends a clearly complete answer."
-    )
-    max_silence_ms: int | None = Field(
-        default=None, ge=200, le=5000, description="Pause that ends a clearly unfinished one."
-    )
-    fallback_silence_ms: int | None = Field(
-        default=None,
-        ge=100,
-        le=5000,
-        description="Pause that ends the turn when nothing tells whether it is complete (no "
-        "transcript yet, end-of-turn model unavailable); default: between the two.",
-    )
-
-    @model_validator(mode="after")
-    def _in_order(self) -> TurnSpec:
-        low, high = self.min_silence_ms, self.max_silence_ms
-        if low is not None and high is not None and low > high:
-            raise ValueError(f"min_silence_ms ({low}) is above max_silence_ms ({high})")
-        fallback = self.fallback_silence_ms
-        if fallback is not None and (
-            (low is not None and fallback < low) or (high is not None and fallback > high)
-        ):
-            raise ValueError(
-                f"fallback_silence_ms ({fallback}) must lie between min_silence_ms and "
-                "max_silence_ms"
-            )
-        if self.digits is not None and self.expect != "digits":
-            raise ValueError(f"digits: {self.digits} only applies with 'expect: digits'")
-        return self
-
-
 class _InputNode(NodeBase):
     prompt: str
     interruptible: bool = True
@@ -508,6 +464,28 @@ class AgentTool(Spec):
     http: HttpCall | None = Field(default=None, description="Request whose JSON goes to the model.")
     next: str | None = Field(default=None, description="Leave the agent for this node (handoff).")
     result: str = Field(default="done", description="Tool result text given to the model.")
+    expects: dict[VarName, ExpectedArgument] = Field(
+        default_factory=dict,
+        description="Arguments the agent asks the caller for, and how their answers look (by "
+        "default every argument whose schema declares a shape: a digits pattern, a date).",
+    )
+
+    @field_validator("expects")
+    @classmethod
+    def _expects_arguments(
+        cls, value: dict[str, ExpectedArgument], info: ValidationInfo
+    ) -> dict[str, ExpectedArgument]:
+        properties = (info.data.get("parameters") or {}).get("properties") or {}
+        for name, expected in value.items():
+            if name not in properties:
+                known = ", ".join(properties) or "none"
+                raise ValueError(f"'{name}' is not one of its parameters ({known})")
+            if expected.expect is None and schema_shape(properties[name]) is None:
+                raise ValueError(
+                    f"'{name}': its schema declares no shape (a pattern like ^\\d{{8}}$, "
+                    "format: date, an integer's minimum and maximum); give 'expect:'"
+                )
+        return value
 
 
 class AgentNode(NodeBase):

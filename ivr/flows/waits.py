@@ -13,18 +13,24 @@ from typing import Any
 
 from ivr.callio.io import ListenSpec
 from ivr.callio.turn_policy import TurnPolicy, policy_for
+from ivr.flows.asked import asked_shape
 from ivr.flows.events import FlowState, HttpRequest, HttpResult, KeptAnswer, SentRequest
-from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode, TurnSpec
+from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode
+from ivr.flows.schema_shape import AnswerShape
 from ivr.flows.template import lookup, render, render_url, render_value
+from ivr.flows.turn_spec import TurnSpec
 
 
-def listen_spec(flow: Flow, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
-    """How to listen at ``node`` of ``flow`` (the flow gives the default no-input timeout)."""
+def listen_spec(
+    flow: Flow, node: AskNode | MenuNode | AgentNode, last_reply: str | None = None
+) -> ListenSpec:
+    """How to listen at ``node`` of ``flow`` (the flow gives the default no-input timeout).
+    At an agent, ``last_reply`` is what it just said: a question for one of its tools'
+    arguments listens for that argument's shape."""
     timeout = node.no_input_timeout or flow.defaults.no_input_timeout
     if isinstance(node, AgentNode):
-        return ListenSpec(
-            speech=True, dtmf=True, no_input_timeout=timeout, turn=turn_policy(node.turn)
-        )
+        turn = turn_policy(node.turn, shape=asked_shape(node, last_reply))
+        return ListenSpec(speech=True, dtmf=True, no_input_timeout=timeout, turn=turn)
     return ListenSpec(
         speech=node.speech,
         dtmf=node.dtmf,
@@ -32,23 +38,42 @@ def listen_spec(flow: Flow, node: AskNode | MenuNode | AgentNode) -> ListenSpec:
         num_digits=_num_digits(node),
         finish_on_key=node.digits.finish_on_key,
         inter_digit_timeout=node.digits.inter_digit_timeout,
-        turn=turn_policy(node.turn, node.digits.num_digits),
+        turn=turn_policy(node.turn, node.digits.num_digits, answers=_answers(flow, node)),
     )
 
 
-def turn_policy(spec: TurnSpec, dtmf_digits: int | None = None) -> TurnPolicy:
+def turn_policy(
+    spec: TurnSpec,
+    dtmf_digits: int | None = None,
+    *,
+    shape: AnswerShape | None = None,
+    answers: tuple[str, ...] = (),
+) -> TurnPolicy:
     """The node's ``turn:`` block as the call's policy; an answer of digits has as many as the
-    node's DTMF ``num_digits`` unless the block says otherwise."""
-    digits = spec.digits
-    if spec.expect == "digits" and digits is None:
-        digits = dtmf_digits
+    node's DTMF ``num_digits`` unless the block says otherwise. ``shape``: the value asked
+    for now, in place of the block's ``expect``; ``answers``: phrases that are whole answers."""
+    if shape is None:
+        shape = AnswerShape(spec.expect, spec.digits, spec.max_digits)
+        if spec.expect == "digits" and spec.digits is None and spec.max_digits is None:
+            shape = AnswerShape("digits", dtmf_digits)
     return policy_for(
-        spec.expect,
-        digits=digits,
+        shape.expect,
+        digits=shape.digits,
+        max_digits=shape.max_digits,
         min_silence_ms=spec.min_silence_ms,
         max_silence_ms=spec.max_silence_ms,
         fallback_silence_ms=spec.fallback_silence_ms,
+        number_silence_ms=spec.number_silence_ms,
+        answers=answers,
     )
+
+
+def _answers(flow: Flow, node: AskNode | MenuNode) -> tuple[str, ...]:
+    """What a caller may say that is a whole answer here: the phrases that pick a route."""
+    if isinstance(node, MenuNode):
+        return tuple(phrase for option in node.options for phrase in option.say)
+    intents = [flow.intents[r.intent] for r in node.routes if r.intent in flow.intents]
+    return tuple(phrase for intent in intents for phrase in intent.examples)
 
 
 def _num_digits(node: AskNode | MenuNode) -> int | None:

@@ -53,9 +53,14 @@ def _whisper(settings: Settings) -> SpeechToText:
     from ivr.stt.whisper_local import LocalWhisperStt
 
     # Beam 5: 4 points fewer word errors than greedy for ~50 ms a sentence, which speculation
-    # hides (bench/whisper_beam.py).
+    # hides. A short encoder window (the turn, at least 10 s) instead of whisper's 30 s: a
+    # third of the decode time, on the critical path of every offline turn (issue 22, the
+    # demo within 1.0 s), at about the same word error rate (bench/whisper_beam.py --window).
     return LocalWhisperStt(
-        timeout_s=settings.stt_answer_timeout, beam_size=5, prompt=settings.stt_prompt or None
+        timeout_s=settings.stt_answer_timeout,
+        beam_size=5,
+        prompt=settings.stt_prompt or None,
+        short_window=True,
     )
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,7 +38,42 @@ def _load_model(cpu_threads: int) -> Any:
     )
     end_of_text = model.hf_tokenizer.token_to_id("<|endoftext|>")
     model.model = _ScoresItsWords(model.model, end_of_text)
+    model.encode = _ShortWindow(model.encode)
     return model
+
+
+FULL_WINDOW = 3000
+"""Whisper's window: 30 s of 10 ms feature frames, the utterance padded with silence."""
+WINDOW_PAD_S = 1.0
+"""Silence kept after the utterance in a short window (whisper needs to hear it stop)."""
+SHORTEST_WINDOW_S = 10
+
+
+def window_frames(samples: int, sample_rate: int = 16000) -> int:
+    """The utterance plus ``WINDOW_PAD_S``, in whole seconds of frames, at least
+    ``SHORTEST_WINDOW_S`` (shorter, whisper repeats a short answer: "yes yes yes ..."), at
+    most 30 s."""
+    seconds = max(SHORTEST_WINDOW_S, math.ceil(samples / sample_rate + WINDOW_PAD_S))
+    return min(FULL_WINDOW, 100 * seconds)
+
+
+class _ShortWindow:
+    """faster-whisper's ``encode``, over the first ``frames`` of its 30 s window only.
+
+    faster-whisper pads every utterance to 30 s, and the encoder's cost grows with its input:
+    on a 2-core machine tiny.en encodes 30 s in ~250 ms and 10 s in ~40 ms, for a 1-3 s turn
+    that is mostly silence (bench/whisper_beam.py --window compares what it hears). The
+    encoder takes any length up to its 1500 positions; the decoder attends to what it got.
+    """
+
+    def __init__(self, encode: Any) -> None:
+        self._encode = encode
+        self.frames = FULL_WINDOW
+
+    def __call__(self, features: Any) -> Any:
+        if features.shape[-1] > self.frames:
+            features = features[..., : self.frames]
+        return self._encode(features)
 
 
 class _ScoresItsWords:
@@ -96,6 +133,23 @@ def last_word_probability(probabilities: list[float], pieces: list[str]) -> floa
     return float(np.mean(probabilities[start : len(pieces)]))
 
 
+_SENTENCE = re.compile(r"[^.!?]+[.!?]*")
+
+
+def without_repeats(text: str) -> str:
+    """``text`` without a sentence said again right after itself ("Where can I find the shop?
+    Where can I find the shop?"): whisper's way of filling a window it did not hear end."""
+    kept: list[str] = []
+    for sentence in (s.strip() for s in _SENTENCE.findall(text)):
+        if sentence and (not kept or _bare(sentence) != _bare(kept[-1])):
+            kept.append(sentence)
+    return " ".join(kept)
+
+
+def _bare(sentence: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9']+", sentence.lower()))
+
+
 def pcm16_to_float32(pcm16: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
     """Little-endian PCM16 bytes to float32 samples in [-1, 1)."""
     if len(pcm16) % 2:
@@ -117,8 +171,11 @@ class LocalWhisperStt:
         beam_size: int = 1,
         timeout_s: float = 10.0,
         prompt: str | None = None,
+        short_window: bool = False,
     ) -> None:
-        """``prompt`` primes the decoder with expected vocabulary (menu words, product names)."""
+        """``prompt`` primes the decoder with expected vocabulary (menu words, product names);
+        ``short_window`` encodes the utterance and a second of silence (at least 10 s), not
+        whisper's 30 s."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if timeout_s <= 0:
@@ -127,6 +184,7 @@ class LocalWhisperStt:
         self._beam_size = beam_size
         self._timeout_s = timeout_s
         self._prompt = prompt
+        self._short_window = short_window
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whisper")
         self._model: Any = None
         self._load_lock = asyncio.Lock()
@@ -166,6 +224,8 @@ class LocalWhisperStt:
     def _decode(self, audio: np.ndarray[Any, np.dtype[np.float32]]) -> tuple[str, float | None]:
         scored: _ScoresItsWords = self._model.model
         scored.tokens, scored.probabilities = [], None
+        window: _ShortWindow = self._model.encode
+        window.frames = window_frames(audio.size) if self._short_window else FULL_WINDOW
         segments, _info = self._model.transcribe(
             audio,
             language="en",
@@ -181,7 +241,10 @@ class LocalWhisperStt:
         )
         # Segments are lazy: the decoding happens here, inside the worker thread.
         text = " ".join(seg.text.strip() for seg in segments).strip()
-        return text, self._last_word_probability(text, scored)
+        said = without_repeats(text)
+        # A repeat dropped: the last word scored is no longer the transcript's last word.
+        probability = self._last_word_probability(text, scored) if said == text else None
+        return said, probability
 
     def _last_word_probability(self, text: str, scored: _ScoresItsWords) -> float | None:
         probabilities = scored.probabilities

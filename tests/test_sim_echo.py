@@ -18,10 +18,16 @@ import soxr
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 
 from ivr.audio.wav import pcm16_to_wav
-from ivr.sim.echo import LineEcho, LineFrame, LineRecord, level_dbfs
+from ivr.sim.echo import Background, LineEcho, LineFrame, LineRecord, level_dbfs
 from ivr.sim.playout import LinkDelay, TwilioPlayout, ulaw_decode, ulaw_encode
 from ivr.testing.bot_speech import BotVoice, active_level_dbfs, caller_lines
-from ivr.testing.echo_call import FLOW, Voices, echo_call, is_own_words
+from ivr.testing.echo_call import (
+    FLOW,
+    Voices,
+    background_voices,
+    echo_call,
+    is_own_words,
+)
 from ivr.testing.line_stt import LineTranscriber
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.espeak_local import synthesize_pcm16
@@ -332,3 +338,29 @@ async def test_a_speakerphone_echo_at_minus_43_dbfs_never_makes_the_bot_answer_i
     own = [text for text in call.requests if is_own_words(text)]
     assert not own, f"the bot answered its own words {len(own)} times: {own[:3]}"
     assert not call.false_clears, f"the bot paused at its own echo at {call.false_clears}"
+
+
+@pytest.mark.slow
+async def test_babble_10_db_under_the_caller_never_takes_the_floor_from_the_bot(
+    gateway_factory: GatewayFactory,
+    fake_openai: FakeOpenAIServer,
+    tmp_path: Path,
+    espeak_voices: Voices,
+) -> None:
+    """Eight talkers 10 dB under the caller's own level (known from their line) fill the
+    room for 3 s while the bot answers: no ``clear``, no turn. The line carries no echo."""
+    (tmp_path / "routes.yaml").write_text("default: echo\n")
+    (tmp_path / "echo.yaml").write_text(FLOW)
+    level = espeak_voices.caller_level_dbfs() - 10.0
+    babble = Background(background_voices(8), level, ((5.0, 8.0),))
+    echo = LineEcho(0.1, -80.0, noise_dbfs=-65.0, seed=2, background=babble)
+    settings = {"flows_dir": str(tmp_path), "vad": "silero", "speculate_after_ms": 60}
+    async with gateway_factory(**settings) as server:
+        call = await echo_call(
+            server.base_url, fake_openai, espeak_voices, auth_token=AUTH_TOKEN,
+            public_url=PUBLIC_URL, echo=echo, listen_s=9.0,
+        )  # fmt: skip
+    assert not call.report.errors and not call.report.violations, call.report.errors
+    assert call.requests, "the bot was never asked anything: the caller's line got lost"
+    assert not call.false_clears, f"the babble paused the bot at {call.false_clears}"
+    assert len(set(call.requests)) == 1, f"the babble was taken for a turn: {call.requests}"

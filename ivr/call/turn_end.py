@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
 import structlog

@@ -15,7 +15,6 @@ length or not), yes or no, a US ZIP code (5 or 9 digits), a calendar date."""
 EXPECT_KINDS: Final[tuple[Expect, ...]] = ("any", "digits", "yes_no", "zip", "date")
 
 
-
 @dataclass(frozen=True, slots=True)
 class TurnPolicy:
     """How long a node lets the caller pause before their turn counts as over (milliseconds

@@ -25,7 +25,7 @@ from pathlib import Path
 from ivr.engines.llama import ChatTurn, EngineError, GenerationStats, LlamaEngine, SamplingParams
 from ivr.engines.llm_server import model_path
 from ivr.flows.loader import load_flow
-from ivr.flows.model import AgentNode
+from ivr.flows.nodes import AgentNode
 
 FLOW = Path("flows/demo.yaml")
 AGENT = "questions"

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ivr.audio.resample import resample
 from ivr.config import Settings
-from ivr.flows.model import AgentNode, Flow
+from ivr.flows.model import Flow
+from ivr.flows.nodes import AgentNode
 from ivr.gateway import Gateway, build_gateway
 from ivr.llm.base import ChatMessage
 from ivr.obs.logging import configure_logging

@@ -194,22 +194,8 @@ def build_gateway(
     llm = llm or configured_llm(settings)
     prompts = PromptCache()
     flow_http = httpx.AsyncClient(timeout=FLOW_HTTP_TIMEOUT)
-    registry = FlowRegistry(settings.flows_dir)
-    registry.load()
-    flows = FlowConversation(
-        registry,
-        store=store,
-        llm=llm,
-        http=flow_http,
-        prompts=prompts,
-        tts=tts,
-        sources_ttl=float(settings.call_ttl_seconds),
-        resume_prompt=settings.resume_prompt,
-    )
-    tokens = StreamTokens.from_secret(
-        settings.stream_token_secret or settings.twilio_auth_token,
-        ttl=settings.stream_token_ttl_s,
-    )
+    flows = _flow_conversation(settings, store, llm, tts, flow_http, prompts)
+    tokens = _stream_tokens(settings)
     live = LiveCalls()
     rest = rest_from_settings(settings)
     connector = StreamConnector(tokens, store, settings.public_url, settings.public_ws_base)
@@ -241,6 +227,37 @@ def build_gateway(
         flow_http=flow_http,
         admission=build_admission(settings, live, store),
         prewarm_prompts=prewarm_prompts,
+    )
+
+
+def _flow_conversation(
+    settings: Settings,
+    store: CallStore,
+    llm: LanguageModel,
+    tts: TextToSpeech,
+    http: httpx.AsyncClient,
+    prompts: PromptCache,
+) -> FlowConversation:
+    """The flows loaded from ``settings.flows_dir``, run as the calls' conversation."""
+    registry = FlowRegistry(settings.flows_dir)
+    registry.load()
+    return FlowConversation(
+        registry,
+        store=store,
+        llm=llm,
+        http=http,
+        prompts=prompts,
+        tts=tts,
+        sources_ttl=float(settings.call_ttl_seconds),
+        resume_prompt=settings.resume_prompt,
+    )
+
+
+def _stream_tokens(settings: Settings) -> StreamTokens:
+    """Signs the media-stream URLs; the Twilio auth token serves when no own secret is set."""
+    return StreamTokens.from_secret(
+        settings.stream_token_secret or settings.twilio_auth_token,
+        ttl=settings.stream_token_ttl_s,
     )
 
 

@@ -11,7 +11,7 @@ from ivr.call.answer_shapes import date_verdict, digits_in, last_number, year_st
 from ivr.call.turn_end import judge_words, silence_needed_ms, text_completeness
 from ivr.callio.turn_policy import Expect, policy_for
 from ivr.flows.loader import check_flow_text, load_flow_text
-from ivr.flows.model import AgentNode
+from ivr.flows.nodes import AgentNode
 from ivr.flows.schema_shape import AnswerShape, pattern_digits, schema_shape
 from ivr.flows.waits import listen_spec
 

@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from ivr.callio.io import ListenSpec
 from ivr.config import Settings
-from ivr.flows.model import AgentNode
+from ivr.flows.nodes import AgentNode
 from ivr.flows.problems import FlowLoadError
 from ivr.flows.registry import FlowRegistry
 from ivr.flows.sources import load_flow_from_sources

@@ -31,7 +31,8 @@ from ivr.flows.events import (
 )
 from ivr.flows.loader import load_flow_text
 from ivr.flows.matching import holds, spoken_digits, spoken_key
-from ivr.flows.model import Condition, Flow, Node
+from ivr.flows.model import Flow, Node
+from ivr.flows.spec import Condition
 from ivr.flows.template import references, render
 from ivr.flows.validate import RULES
 

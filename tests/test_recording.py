@@ -28,8 +28,8 @@ from structlog.testing import capture_logs
 
 from ivr.audio.codec import pcm16_to_ulaw, ulaw_to_pcm16
 from ivr.flows.loader import load_flow_text
-from ivr.flows.model import RecordingSpec
 from ivr.flows.problems import FlowLoadError
+from ivr.flows.spec import RecordingSpec
 from ivr.recording.recorder import CallRecorder
 from ivr.recording.service import Recordings
 from ivr.recording.sinks import LocalDirSink, RecordingError, S3Config, S3Sink

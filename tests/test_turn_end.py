@@ -42,7 +42,7 @@ from ivr.engines.smart_turn import (
 )
 from ivr.errors import ProviderError
 from ivr.flows.loader import check_flow_text, load_flow_text
-from ivr.flows.model import AgentNode, AskNode, MenuNode
+from ivr.flows.nodes import AgentNode, AskNode, MenuNode
 from ivr.flows.waits import listen_spec
 from ivr.stt.whisper_local import last_word_probability
 

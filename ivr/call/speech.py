@@ -8,7 +8,7 @@ player segment (and one mark) per sentence, so LLM deltas overlap with synthesis
 ``await``: the producer is cancelled and the handle refuses any further write, so even while
 the ``clear`` it sends waits on a backed-up socket, no later sentence can slip out behind it.
 ``wait_for_playout()`` returns ``Spoken``: all of the text once its marks echo, or the words
-the caller heard before the interruption.
+the caller heard before the interruption. The reply's latency record is ``ivr.call.reply_timing``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import StreamResampler
 from ivr.call.player import AudioPlayer, Segment, heard_prefix
 from ivr.call.prompts import PromptCache
+from ivr.call.reply_timing import ReplyTiming, TurnRecorder
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.callio.io import Spoken
 from ivr.callio.sentences import SentenceChunker
@@ -49,8 +50,6 @@ TTS_READ_EVERY_S = 0.1
 """With ``TTS_LOW_WATER_S`` in hand, TTS is read no more often than this: each read then takes
 what the server sent meanwhile in one go (~0.4 s of audio at 4x real time), not one socket
 wakeup per 40 ms piece (``ivr.tts.openai_http``)."""
-
-TurnRecorder = Callable[[dict[str, float]], None]
 
 
 class SpeechHandle:
@@ -77,10 +76,10 @@ class SpeechHandle:
         self._player = player
         self._tts = tts
         self._prompts = prompts
-        self._on_turn = on_turn
         self._stats = stats or CallStats()
-        self._turn_parts: dict[str, float] | None = None
-        self._llm_name = llm_name
+        self._timing = ReplyTiming(
+            turn, on_turn=on_turn, clock=clock, llm_name=llm_name, tts_name=tts.name
+        )
         self._heard_within = heard_within
         self._clock = clock
         self._segments: list[Segment] = []
@@ -205,18 +204,14 @@ class SpeechHandle:
         self._guard()
         segment = self._player.open_segment(text)
         if self.turn is not None and not self._segments:  # time the reply as the caller hears it
-            segment.on_first_heard = self._first_heard
+            segment.on_first_heard = self._timing.first_heard
         self._segments.append(segment)
         return segment
-
-    def _first_heard(self, at: float) -> None:
-        if self.turn is not None and self._turn_parts is not None:
-            self.turn.heard(at, self._turn_parts)
 
     async def _write(self, segment: Segment, ulaw: bytes, *, cached: bool = False) -> None:
         self._guard()
         await self._player.write(segment, ulaw)
-        self._mark_first_audio(cached=cached)
+        self._timing.first_audio(cached=cached)
 
     # -- producers ------------------------------------------------------------------------
 
@@ -258,7 +253,7 @@ class SpeechHandle:
             if turn is not None:
                 turn.llm_start = self._clock()
             async for delta in chunks:
-                self._mark_first_token(turn)
+                self._timing.first_token(turn)
                 for piece in chunker.push(delta):
                     said_anything = True
                     await self._queue_sentence(sentences, piece, turn)
@@ -275,17 +270,10 @@ class SpeechHandle:
             await _aclose(chunks)  # closes the provider's HTTP stream on barge-in too
         await sentences.put(None)
 
-    def _mark_first_token(self, turn: TurnTimings | None) -> None:
-        if turn is None or turn.llm_first_token is not None or turn.llm_start is None:
-            return
-        turn.llm_first_token = self._clock()
-        metrics.LLM_TTFT.labels(self._llm_name).observe(turn.llm_first_token - turn.llm_start)
-
     async def _queue_sentence(
         self, sentences: asyncio.Queue[str | None], piece: str, turn: TurnTimings | None
     ) -> None:
-        if turn is not None and turn.first_clause is None:
-            turn.first_clause = self._clock()
+        self._timing.first_clause(turn)
         await sentences.put(piece)
 
     async def _synthesise_sentence(self, text: str) -> None:
@@ -295,9 +283,7 @@ class SpeechHandle:
             return
         segment = self._open_segment(text)
         resampler = StreamResampler(self._tts.sample_rate, 8000)
-        started = self._clock()
-        if self.turn is not None and self.turn.tts_start is None:
-            self.turn.tts_start = started
+        started = self._timing.tts_started()
         first = True
         failed = False
         block = bytearray()
@@ -308,7 +294,7 @@ class SpeechHandle:
                 async for pcm in _paced(stream, self._player):
                     if first:
                         first = False
-                        self._mark_first_byte(started)
+                        self._timing.first_byte(started)
                     block += pcm
                     if len(block) >= block_bytes or self._player.ahead() < TTS_LOW_WATER_S:
                         await self._write_pcm(segment, resampler.push(bytes(block)))
@@ -345,28 +331,9 @@ class SpeechHandle:
             return
         await self._produce_cached(phrases.LLM_FAILURE, cached)
 
-    def _mark_first_byte(self, started: float) -> None:
-        now = self._clock()
-        metrics.TTS_TTFB.labels(self._tts.name).observe(now - started)
-        if self.turn is not None and self.turn.tts_first_byte is None:
-            self.turn.tts_first_byte = now
-
     async def _write_pcm(self, segment: Segment, pcm: bytes) -> None:
         if pcm:
             await self._write(segment, pcm16_to_ulaw(pcm))
-
-    def _mark_first_audio(self, *, cached: bool) -> None:
-        """Close the turn's latency record once its first audio is queued for sending."""
-        turn_deadline.set(None)  # heard in time: later sentences get their stages' own limits
-        turn = self.turn
-        if turn is None or turn.first_audio is not None:
-            return
-        turn.first_audio = self._clock()
-        turn.cached_prompt = cached
-        parts = self._turn_parts = turn.observe()
-        if self._on_turn is not None:
-            self._on_turn(parts)
-        log.info("turn.latency", **{k: round(v, 4) for k, v in parts.items()})
 
 
 async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:

@@ -24,7 +24,8 @@ from ivr.flows.events import (
     LlmReplied,
     ToolCallData,
 )
-from ivr.flows.model import AgentNode, AgentTool, Flow
+from ivr.flows.model import Flow
+from ivr.flows.nodes import AgentNode, AgentTool
 from ivr.flows.template import render_value
 from ivr.flows.waits import as_result, listen_spec, read_answer, resend, send, waiting_request
 from ivr.llm.base import ChatMessage, ToolCall, ToolSpec

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ivr.flows import matching
-from ivr.flows.model import AgentNode, AgentTool
+from ivr.flows.nodes import AgentNode, AgentTool
 from ivr.flows.schema_shape import AnswerShape, schema_shape
 
 _SENTENCE = re.compile(r"[^.!?]+[.!?]*")

@@ -19,7 +19,8 @@ from ivr.flows.events import (
     IntentOption,
     Listen,
 )
-from ivr.flows.model import AskNode, Flow, MenuNode
+from ivr.flows.model import Flow
+from ivr.flows.nodes import AskNode, MenuNode
 from ivr.flows.waits import listen_spec
 
 

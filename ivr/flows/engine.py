@@ -40,12 +40,11 @@ from ivr.flows.events import (
     Say,
     Transfer,
 )
-from ivr.flows.model import (
+from ivr.flows.model import Flow
+from ivr.flows.nodes import (
     AgentNode,
     AskNode,
     BranchNode,
-    EnvVar,
-    Flow,
     GotoNode,
     HangupNode,
     HttpNode,
@@ -56,6 +55,7 @@ from ivr.flows.model import (
     SubflowNode,
     TransferNode,
 )
+from ivr.flows.spec import EnvVar
 from ivr.flows.template import lookup, render, render_value
 from ivr.flows.waits import as_result, read_answer, resend, send, waiting_request
 from ivr.telephony.dialing import is_dialable

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ivr.flows.model import Flow, ReturnNode
+from ivr.flows.model import Flow
+from ivr.flows.nodes import ReturnNode
 from ivr.flows.problems import FlowLoadError, Path_, Problem, SourceMap
 from ivr.flows.subflows import included, resolve
 from ivr.flows.validate import check_flow, read_knowledge

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ivr.flows.model import Condition
+from ivr.flows.spec import Condition
 from ivr.flows.template import lookup
 
 _WORD = re.compile(r"[a-z0-9']+")

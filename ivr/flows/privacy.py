@@ -24,7 +24,8 @@ from typing import Any
 
 from ivr.flows import matching, template
 from ivr.flows.events import FlowState, HistoryItem
-from ivr.flows.model import EnvVar, Flow
+from ivr.flows.model import Flow
+from ivr.flows.spec import EnvVar
 from ivr.obs.pii import kept_digits, mask_deep, mask_speech
 
 ALWAYS_CLEAR = frozenset({"caller", "called", "call_sid"})

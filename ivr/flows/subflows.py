@@ -15,7 +15,8 @@ import difflib
 import hashlib
 from collections.abc import Callable, Mapping
 
-from ivr.flows.model import INPUT_KINDS, Flow, Node, ReturnNode, SubflowNode
+from ivr.flows.model import INPUT_KINDS, Flow, Node
+from ivr.flows.nodes import ReturnNode, SubflowNode
 from ivr.flows.problems import Problem
 from ivr.flows.validate import input_free_cycles, known_variables
 

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ivr.callio.turn_policy import Expect
+from ivr.flows.spec import Spec
 
 
-class _Spec(BaseModel):
-    # As ivr.flows.model.Spec (which imports this module, so cannot be imported here).
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ShapeSpec(_Spec):
+class ShapeSpec(Spec):
     """What answer the caller gives: its kind and, for digits, how many."""
 
     expect: Expect = Field(
@@ -92,7 +88,7 @@ class TurnSpec(ShapeSpec):
         return self
 
 
-class ExpectedArgument(_Spec):
+class ExpectedArgument(Spec):
     """A tool argument the agent asks the caller for: how the answer looks, and the words
     that name it in the agent's question."""
 

@@ -16,23 +16,20 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from ivr.flows import template
-from ivr.flows.model import (
-    BUILTIN_TARGETS,
-    INPUT_KINDS,
+from ivr.flows.model import INPUT_KINDS, Flow, Node
+from ivr.flows.nodes import (
     AgentNode,
     AskNode,
     BranchNode,
-    Flow,
     GotoNode,
-    HttpCall,
     HttpNode,
     MenuNode,
-    Node,
     SayNode,
     SetNode,
     SubflowNode,
 )
 from ivr.flows.problems import Path_, Problem, SourceMap
+from ivr.flows.spec import BUILTIN_TARGETS, HttpCall
 
 BUILTIN_VARIABLES = (
     "caller",

@@ -15,8 +15,10 @@ from ivr.callio.io import ListenSpec
 from ivr.callio.turn_policy import TurnPolicy, policy_for
 from ivr.flows.asked import asked_shape
 from ivr.flows.events import FlowState, HttpRequest, HttpResult, KeptAnswer, SentRequest
-from ivr.flows.model import AgentNode, AskNode, Flow, HttpCall, MenuNode
+from ivr.flows.model import Flow
+from ivr.flows.nodes import AgentNode, AskNode, MenuNode
 from ivr.flows.schema_shape import AnswerShape
+from ivr.flows.spec import HttpCall
 from ivr.flows.template import lookup, render, render_url, render_value
 from ivr.flows.turn_spec import TurnSpec
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ivr.flows.model import Edge, Flow, SubflowNode
+from ivr.flows.model import Flow
+from ivr.flows.nodes import Edge, SubflowNode
 
 
 def edge_label(edge: Edge) -> str:

@@ -7,7 +7,7 @@ temporary directory). Prints each run's spoken turns as the caller heard them an
 endpoint silence per turn, then per turn p50 and max over the runs. Issue 22's bar: every turn
 <= 1.0 s.
 
-    .venv/bin/python bench/demo_latency.py --runs 3 --code /work/main    # before vs after (~7 min)
+    .venv/bin/python bench/demo_latency.py --runs 3 --code ../old   # before vs after (~7 min)
     .venv/bin/python bench/demo_latency.py --runs 3
 
 The machine is shared: the load average is printed with each run.
@@ -71,7 +71,7 @@ def summary(label: str, runs: list[list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--code", help="another checkout to compare with (e.g. /work/main)")
+    parser.add_argument("--code", help="another checkout to compare with (a path to its checkout)")
     args = parser.parse_args()
     results = []
     if args.code:

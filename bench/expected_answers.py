@@ -20,7 +20,7 @@ Latency: the caller's end of speech -> the first reply audio at the caller (p50 
 ``--code DIR`` runs the gateway from another checkout (``PYTHONPATH=DIR``): the bench prints
 that checkout's rows ("before") beside this one's ("after").
 
-    .venv/bin/python bench/expected_answers.py --code /work/main     # before vs after (~4 min)
+    .venv/bin/python bench/expected_answers.py --code ../old   # before vs after (~4 min)
     .venv/bin/python bench/expected_answers.py --trials 3            # this checkout only
 """
 
@@ -237,7 +237,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=5, help="calls per case")
-    parser.add_argument("--code", help="another checkout to compare with (e.g. /work/main)")
+    parser.add_argument("--code", help="another checkout to compare with (a path to its checkout)")
     parser.add_argument("--json", action="store_true", help="print only the results as JSON")
     args = parser.parse_args()
     if args.json:

@@ -352,13 +352,13 @@ async def test_babble_10_db_under_the_caller_never_takes_the_floor_from_the_bot(
     (tmp_path / "routes.yaml").write_text("default: echo\n")
     (tmp_path / "echo.yaml").write_text(FLOW)
     level = espeak_voices.caller_level_dbfs() - 10.0
-    babble = Background(background_voices(8), level, ((5.0, 8.0),))
+    babble = Background(background_voices(8), level, ((7.0, 10.0),))
     echo = LineEcho(0.1, -80.0, noise_dbfs=-65.0, seed=2, background=babble)
     settings = {"flows_dir": str(tmp_path), "vad": "silero", "speculate_after_ms": 60}
     async with gateway_factory(**settings) as server:
         call = await echo_call(
             server.base_url, fake_openai, espeak_voices, auth_token=AUTH_TOKEN,
-            public_url=PUBLIC_URL, echo=echo, listen_s=9.0,
+            public_url=PUBLIC_URL, echo=echo, listen_s=12.0,
         )  # fmt: skip
     assert not call.report.errors and not call.report.violations, call.report.errors
     assert call.requests, "the bot was never asked anything: the caller's line got lost"

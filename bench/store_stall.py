@@ -150,7 +150,7 @@ class WriteTimer:
         self.checks: list[float] = []
         for name in ("create", "update", "end"):
             setattr(store, name, self._timed(getattr(store, name), "writes"))
-        store._unconfirmed = self._timed(store._unconfirmed, "checks")  # type: ignore[method-assign,assignment]
+        store.link._unconfirmed = self._timed(store.link._unconfirmed, "checks")  # type: ignore[method-assign,assignment]
 
     def _timed(
         self, method: Callable[..., Awaitable[Any]], sink: str
@@ -207,7 +207,7 @@ async def run_phase(
     phase: Phase, server: RunningServer, timer: WriteTimer, args: argparse.Namespace
 ) -> None:
     outer, store = stores(server)
-    unreplicated, over_budget = store.unreplicated_writes, outer.over_budget
+    unreplicated, over_budget = store.link.unreplicated_writes, outer.over_budget
     timer.writes, timer.checks = phase.writes, phase.checks
     started = time.monotonic()
     for i in range(args.calls):
@@ -227,7 +227,7 @@ async def run_phase(
                 phase.turns += 1
     phase.seconds = time.monotonic() - started
     timer.writes, timer.checks = [], []
-    phase.unreplicated = store.unreplicated_writes - unreplicated
+    phase.unreplicated = store.link.unreplicated_writes - unreplicated
     phase.over_budget = outer.over_budget - over_budget
     phase.degraded_at_end = outer.degraded
 

@@ -24,7 +24,7 @@ from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
 from structlog.testing import capture_logs
 
 from ivr.errors import ConfigError
-from ivr.state import redis_store
+from ivr.state import redis_link
 from ivr.state.base import CallStore, apply_mutation
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.redis_urls import RedisTarget, parse_redis_url
@@ -317,8 +317,8 @@ async def test_a_stalled_replica_is_still_waited_for_as_it_may_be_promoted(
     store = RedisCallStore(deployment.url + "?wait_timeout_ms=200", prefix=prefix)
     try:
         await store.create(contract.a_call("CA-w"))
-        assert store.unreplicated_writes == 0, "a healthy replica confirms at once"
-        replica = _replica_for(deployment, store.call_key("CA-w"))
+        assert store.link.unreplicated_writes == 0, "a healthy replica confirms at once"
+        replica = _replica_for(deployment, store.keys.call_key("CA-w"))
         with _stalled(replica):  # the replica stops reading its link
             waits = await _timed_updates(store, "CA-w", 2)
         await store.update("CA-w", contract.incr("n"))
@@ -327,7 +327,7 @@ async def test_a_stalled_replica_is_still_waited_for_as_it_may_be_promoted(
         await asyncio.to_thread(deployment.delete_prefix, prefix)
     # Still connected, so a failover could promote it: every write waits and is checked.
     assert min(waits) >= 0.2, waits
-    assert store.unreplicated_writes == 2, "the write after SIGCONT is confirmed"
+    assert store.link.unreplicated_writes == 2, "the write after SIGCONT is confirmed"
 
 
 @pytest.mark.slow
@@ -348,13 +348,13 @@ async def test_a_master_whose_replica_died_stops_waiting_until_it_is_back(
         with capture_logs() as logs:
             first, second = await timed_update(), await timed_update()
         assert first >= 0.2 and second < 0.1, (first, second)  # one wait, not one per write
-        assert store.unreplicated_writes == 2
+        assert store.link.unreplicated_writes == 2
         warned = [e for e in logs if e["event"] == "redis_write_not_replicated"]
         assert [(e["replicas_connected"], e["waiting"]) for e in warned] == [(0, False)]
         await asyncio.to_thread(replica.start)
         await asyncio.to_thread(fresh_sentinel.wait_healthy, 10.0)
         await timed_update()  # its ROLE shows the replica back
-        assert await timed_update() < 0.1 and store.unreplicated_writes == 3, "confirmed again"
+        assert await timed_update() < 0.1 and store.link.unreplicated_writes == 3, "confirmed again"
     finally:
         await store.aclose()
 
@@ -369,7 +369,7 @@ async def test_a_stalled_sentinel_costs_an_unconfirmed_write_a_short_bound_not_a
     would wait; and, not answering, it is no sign of a failover (the writes stand)."""
     prefix = unique_prefix()
     store = RedisCallStore(sentinel.url + "?wait_timeout_ms=50", prefix=prefix)
-    replica = _replica_for(sentinel, store.call_key("CA-ss"))
+    replica = _replica_for(sentinel, store.keys.call_key("CA-ss"))
     stalled = sentinel.sentinels[0]  # the first in the URL: redis-py asks it first
     try:
         await store.create(contract.a_call("CA-ss"))
@@ -389,8 +389,8 @@ async def test_a_stalled_sentinel_costs_an_unconfirmed_write_a_short_bound_not_a
     # WAIT (50 ms, up to 100 at the server's 10 Hz) plus one round of questions bounded at
     # 0.1 s: well below one socket_timeout (2 s).
     assert max(waits) < 0.6, waits
-    assert store.unreplicated_writes == len(waits), "each write was unconfirmed, so checked"
-    assert store.resent_commands == 0, "a sentinel that does not answer is not failing over"
+    assert store.link.unreplicated_writes == len(waits), "each write was unconfirmed, so checked"
+    assert store.link.resent_commands == 0, "a sentinel that does not answer is not failing over"
     assert record is not None
     assert record.variables["n"] == 1 + len(waits) and record.version == 2 + len(waits)
 
@@ -414,7 +414,7 @@ async def test_a_stalled_master_costs_an_unconfirmed_cluster_write_a_short_bound
             if master_of(f"{p}call:{{CA-sm}}") is master_of(f"{p}active")
         )
         store = RedisCallStore(deployment.url + "?wait_timeout_ms=50", prefix=prefix)
-        own = master_of(store.call_key("CA-sm"))
+        own = master_of(store.keys.call_key("CA-sm"))
         shards = (deployment.master_of_slot(slot) for slot in (0, 8000, 16000))  # one each
         other = next(master for master in shards if master is not own)
         # Its replica by its own ROLE (a fresh cluster's gossip may not list it yet).
@@ -424,10 +424,10 @@ async def test_a_stalled_master_costs_an_unconfirmed_cluster_write_a_short_bound
             await store.update("CA-sm", contract.incr("n"))  # the update script is now cached
             # A fresh cluster's replica may not confirm these first writes either: count only
             # the writes made during the stall.
-            unconfirmed_before = store.unreplicated_writes
+            unconfirmed_before = store.link.unreplicated_writes
             with _stalled(replica, other):
                 waits = await _timed_updates(store, "CA-sm", 4)
-            unconfirmed = store.unreplicated_writes - unconfirmed_before
+            unconfirmed = store.link.unreplicated_writes - unconfirmed_before
             record = await store.get("CA-sm")
         finally:
             await store.aclose()
@@ -435,7 +435,7 @@ async def test_a_stalled_master_costs_an_unconfirmed_cluster_write_a_short_bound
     # WAIT (up to 100 ms at the server's 10 Hz) plus questions bounded at 0.1 s each.
     assert max(waits) < 0.6, waits
     assert unconfirmed == len(waits), "each write was unconfirmed, so checked"
-    assert store.resent_commands == 0, "a master that does not answer is not taking over"
+    assert store.link.resent_commands == 0, "a master that does not answer is not taking over"
     assert record is not None and record.variables["n"] == 1 + len(waits)
 
 
@@ -453,7 +453,7 @@ async def test_a_cancelled_write_leaves_no_question_to_a_sentinel_running() -> N
     clients = [aioredis.Redis(port=port, socket_timeout=30) for _ in range(3)]
     sentinel: Any = SimpleNamespace(sentinels=clients)
     try:
-        asking = asyncio.create_task(redis_store._sentinel_views(sentinel, SERVICE, 30.0))
+        asking = asyncio.create_task(redis_link._sentinel_views(sentinel, SERVICE, 30.0))
         await asyncio.sleep(0.2)  # all three sent and waiting
         asking.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -540,7 +540,7 @@ async def ride_through(store: RedisCallStore, sid: str, failover: Callable[[], N
     try:
         async with asyncio.timeout(30.0):
             await _until(tick, lambda: acked >= 5 or task.done())
-            before, unreplicated = acked, store.unreplicated_writes
+            before, unreplicated = acked, store.link.unreplicated_writes
             await asyncio.to_thread(failover)
             after = acked
             await _until(tick, lambda: acked >= after + 5 or task.done())
@@ -576,7 +576,7 @@ def _sid_on_redundant_shard(cluster: ClusterProcesses, store: RedisCallStore, ta
     shard's replica)."""
     for i in range(200):
         sid = f"CA-{tag}-{i}"
-        master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+        master = cluster.master_of_slot(key_slot(store.keys.call_key(sid).encode()))
         if cluster.replicas_of(master):
             return sid
     raise RuntimeError("no shard of the cluster has a live replica")
@@ -586,7 +586,7 @@ def _sid_on_redundant_shard(cluster: ClusterProcesses, store: RedisCallStore, ta
 async def test_cluster_call_survives_sigkill_of_its_master(cluster: ClusterProcesses) -> None:
     store = RedisCallStore(cluster.url, prefix=PREFIX)
     sid = _sid_on_redundant_shard(cluster, store, "kill")
-    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    master = cluster.master_of_slot(key_slot(store.keys.call_key(sid).encode()))
     replica = cluster.replicas_of(master)[0]
     try:
         await store.create(contract.a_call(sid))
@@ -607,7 +607,7 @@ async def test_cluster_call_survives_sigkill_of_its_master(cluster: ClusterProce
 async def test_cluster_call_survives_a_manual_failover(cluster: ClusterProcesses) -> None:
     store = RedisCallStore(cluster.url, prefix=PREFIX)
     sid = _sid_on_redundant_shard(cluster, store, "manual")
-    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    master = cluster.master_of_slot(key_slot(store.keys.call_key(sid).encode()))
     replica = cluster.replicas_of(master)[0]
     try:
         await store.create(contract.a_call(sid))
@@ -630,7 +630,7 @@ async def test_cluster_call_survives_a_forced_failover(cluster: ClusterProcesses
     writes until gossip tells it, and those must not be acknowledged."""
     store = RedisCallStore(cluster.url, prefix=PREFIX)
     sid = _sid_on_redundant_shard(cluster, store, "forced")
-    master = cluster.master_of_slot(key_slot(store.call_key(sid).encode()))
+    master = cluster.master_of_slot(key_slot(store.keys.call_key(sid).encode()))
     replica = cluster.replicas_of(master)[0]
     try:
         await store.create(contract.a_call(sid))
@@ -680,7 +680,7 @@ async def test_a_replica_that_lagged_a_moment_ago_does_not_cost_writes_in_a_fail
         await store.create(contract.a_call("CA-s-lagged"))
         with _stalled(replica):
             await store.update("CA-s-lagged", contract.incr("n"))
-        assert store.unreplicated_writes == 1, "the stalled replica left a write unconfirmed"
+        assert store.link.unreplicated_writes == 1, "the stalled replica left a write unconfirmed"
         fresh_sentinel.wait_healthy(5.0)
 
         def failover() -> None:

@@ -61,7 +61,7 @@ async def test_every_key_lives_under_the_configured_prefix(
 async def test_a_live_call_has_the_active_ttl_and_an_ended_one_the_ended_ttl(
     store: RedisCallStore, raw: aioredis.Redis
 ) -> None:
-    key = store.call_key("CA0001")
+    key = store.keys.call_key("CA0001")
     await store.create(a_call())
     live_ttl = await raw.pttl(key)
     await store.end("CA0001")
@@ -115,7 +115,7 @@ async def test_an_unreachable_redis_raises_store_unavailable_quickly() -> None:
 async def test_a_corrupt_stored_value_names_its_key(
     store: RedisCallStore, raw: aioredis.Redis
 ) -> None:
-    await raw.set(store.call_key("CA-bad"), b'{"call_sid": "CA-bad", "version": "x"')
+    await raw.set(store.keys.call_key("CA-bad"), b'{"call_sid": "CA-bad", "version": "x"')
     with pytest.raises(CorruptRecord, match=f"{store.prefix}call:CA-bad"):
         await store.get("CA-bad")
 

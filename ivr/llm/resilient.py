@@ -7,18 +7,16 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ivr.llm.base import ChatMessage, LanguageModel, LlmEvent, ToolSpec
-from ivr.providers.resilience import RetryPolicy, check_providers, first_output
+from ivr.providers.resilience import ProviderChain, RetryPolicy, check_providers, first_output
 
 
-class ResilientLlm:
+class ResilientLlm(ProviderChain[LanguageModel]):
     """``LanguageModel``: the primary, then the fallbacks, with retries, until the first event;
     never a retry after it."""
 
     def __init__(self, providers: Sequence[LanguageModel], policy: RetryPolicy) -> None:
         check_providers("llm", providers)
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
+        super().__init__(providers, policy)
         self.model = providers[0].model
 
     def stream_chat(
@@ -47,7 +45,3 @@ class ResilientLlm:
     async def start(self) -> None:
         for provider in self.providers:
             await provider.start()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()

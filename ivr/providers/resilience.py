@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -47,6 +47,40 @@ class _Named(Protocol):
 
 
 P = TypeVar("P", bound=_Named)
+
+
+class _Closable(_Named, Protocol):
+    async def aclose(self) -> None: ...
+
+
+class _Warmable(_Closable, Protocol):
+    async def warm(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
+W = TypeVar("W", bound=_Warmable)
+
+
+class ProviderChain(Generic[C]):
+    """A primary and its fallbacks under one retry policy: what every resilient wrapper holds
+    (it takes its name from the primary) and closes."""
+
+    def __init__(self, providers: Sequence[C], policy: RetryPolicy) -> None:
+        self.providers = tuple(providers)
+        self.policy = policy
+        self.name = self.providers[0].name
+
+    async def aclose(self) -> None:
+        for provider in self.providers:
+            await provider.aclose()
+
+
+class WarmChain(ProviderChain[W]):
+    """A ``ProviderChain`` of speech providers, which open their connections ahead of a call."""
+
+    async def warm(self) -> None:
+        for provider in self.providers:
+            await provider.warm()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from ivr.providers.resilience import RetryPolicy, aclose_stream, check_providers, first_output
+from ivr.providers.resilience import (
+    RetryPolicy,
+    WarmChain,
+    aclose_stream,
+    check_providers,
+    first_output,
+)
 from ivr.stt.base import SpeechToText, Transcript
 
 
-class ResilientStt:
+class ResilientStt(WarmChain[SpeechToText]):
     """``SpeechToText``: the primary, then the fallbacks, with retries, within one budget."""
 
     def __init__(self, providers: Sequence[SpeechToText], policy: RetryPolicy) -> None:
         check_providers("stt", providers, "sample_rate")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
+        super().__init__(providers, policy)
         self.sample_rate = providers[0].sample_rate
 
     async def transcribe(
@@ -33,11 +37,3 @@ class ResilientStt:
             return await anext(answers)
         finally:
             await aclose_stream(answers)
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()

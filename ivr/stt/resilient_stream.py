@@ -21,7 +21,7 @@ from ivr.audio.codec import ulaw_to_pcm16
 from ivr.audio.resample import resample
 from ivr.errors import ProviderError
 from ivr.obs.metrics import count_provider_error
-from ivr.providers.resilience import RetryPolicy, aclose_stream, first_output
+from ivr.providers.resilience import RetryPolicy, WarmChain, aclose_stream, first_output
 from ivr.providers.streaming import PHONE_AUDIO, AudioFormat, TimedWord
 from ivr.stt.base import (
     FinalWords,
@@ -40,7 +40,7 @@ RECONNECTS = 3
 BYTES_PER_SECOND = 8000  # the phone's mu-law
 
 
-class ResilientStreamingStt:
+class ResilientStreamingStt(WarmChain[StreamingSpeechToText]):
     """``StreamingSpeechToText`` over a primary and its fallbacks (see the module docstring)."""
 
     accepts: tuple[AudioFormat, ...] = (PHONE_AUDIO,)
@@ -48,9 +48,7 @@ class ResilientStreamingStt:
     def __init__(self, providers: Sequence[StreamingSpeechToText], policy: RetryPolicy) -> None:
         if not providers or any(PHONE_AUDIO not in p.accepts for p in providers):
             raise ValueError("every streaming STT provider must take the phone's mu-law")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
+        super().__init__(providers, policy)
 
     async def open(
         self, audio: AudioFormat, *, first_output_limit: float | None = None
@@ -58,14 +56,6 @@ class ResilientStreamingStt:
         session = ResilientSttSession(self)
         await session.connect(0, self.policy.limited(first_output_limit))
         return session
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()
 
 
 class ResilientSttSession:

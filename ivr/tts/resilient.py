@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from ivr.providers.resilience import RetryPolicy, check_providers, first_output
+from ivr.providers.resilience import RetryPolicy, WarmChain, check_providers, first_output
 from ivr.tts.base import TextToSpeech
 
 
-class ResilientTts:
+class ResilientTts(WarmChain[TextToSpeech]):
     """``TextToSpeech``: the primary, then the fallbacks, with retries, until the first audio
     byte; never a retry after it (the caller may already be hearing the sentence)."""
 
     def __init__(self, providers: Sequence[TextToSpeech], policy: RetryPolicy) -> None:
         check_providers("tts", providers, "sample_rate")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
+        super().__init__(providers, policy)
         self.sample_rate = providers[0].sample_rate
         self.voice = providers[0].voice
 
@@ -31,11 +29,3 @@ class ResilientTts:
 
         policy = self.policy.limited(first_output_limit)
         return first_output("tts", self.providers, attempt, policy)
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()

@@ -10,32 +10,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from ivr.providers.resilience import RetryPolicy, first_output
+from ivr.providers.resilience import RetryPolicy, WarmChain, first_output
 from ivr.tts.base import SpeechAudio, StreamingTextToSpeech, TextToSpeechSession
 
 
-class ResilientStreamingTts:
+class ResilientStreamingTts(WarmChain[StreamingTextToSpeech]):
     """``StreamingTextToSpeech``: the primary, then the fallbacks (same output format)."""
 
     def __init__(self, providers: Sequence[StreamingTextToSpeech], policy: RetryPolicy) -> None:
         if not providers or len({p.output for p in providers}) > 1:
             raise ValueError("streaming TTS providers must give the same audio format")
-        self.providers = tuple(providers)
-        self.policy = policy
-        self.name = providers[0].name
+        super().__init__(providers, policy)
         self.voice = providers[0].voice
         self.output = providers[0].output
 
     async def open(self, *, first_output_limit: float | None = None) -> ResilientTtsSession:
         return ResilientTtsSession(self.providers, self.policy.limited(first_output_limit))
-
-    async def warm(self) -> None:
-        for provider in self.providers:
-            await provider.warm()
-
-    async def aclose(self) -> None:
-        for provider in self.providers:
-            await provider.aclose()
 
 
 class ResilientTtsSession:

@@ -100,6 +100,8 @@ class Row:
     error_samples: list[str] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
     cpu_ms_per_turn: float = float("nan")
+    cpu_ms_per_call: float = float("nan")
+    """Beyond listening, per call (its turns included): with ``--turns 0``, a call's own."""
     """Gateway CPU in the talking phase, less listening at the measured rate, per turn."""
     listen_cpu_per_call_min: float = float("nan")
     cpu_percent: float = float("nan")
@@ -220,6 +222,7 @@ async def talk(
     row.error_samples = load.errors[:3]
     row.in_flight = stats["max_in_flight"]
     listening = row.listen_cpu_per_call_min * call_min
+    row.cpu_ms_per_call = round(1000 * (busy - listening) / load.calls, 1)
     row.cpu_ms_per_turn = (
         round(1000 * (busy - listening) / row.turns, 1) if row.turns else row.cpu_ms_per_turn
     )
@@ -245,8 +248,9 @@ async def run_level(
                 row.listen_cpu_per_call_min = round(await listen_rate(args, gw, calls), 3)
                 await asyncio.sleep(1.0)  # the listeners' teardown is not the talkers'
             if arrivals:
-                load: TalkLoad = ArrivalLoad(gw, calls, noise, render_lines(LINES), args.interval)
-                duration = calls * args.interval + 45
+                lines = render_lines([LINES[i % len(LINES)] for i in range(args.turns)])
+                load: TalkLoad = ArrivalLoad(gw, calls, noise, lines, args.interval)
+                duration = calls * args.interval + 11 + 17 * args.turns  # turn: ~3 s + 11 s
             else:
                 load = TalkLoad(gw, calls, noise, render_lines(CLASSIC_LINES), ramp=10.0)
                 duration = 10.0 + args.classic_duration
@@ -318,6 +322,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--levels", default="1,10,25,50,100,150,200,300", help="arrival-load calls")
     p.add_argument("--interval", type=float, default=0.15, help="seconds between arrivals")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=2,
+        help="turns per arrival call (runs at 1 and 4 split a turn's CPU from the call's)",
+    )
     p.add_argument("--classic", default="1,100", help="old-load calls ('' = none)")
     p.add_argument("--classic-duration", type=float, default=45.0, help="old load, talking s")
     p.add_argument("--listen", type=float, default=15.0, help="listening window per level, s")
@@ -374,7 +384,8 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
 def report(row: Row) -> None:
     print(
         f"  {row.load} {row.calls} calls: p50 {row.p50_ms:.0f} ms, p95 {row.p95_ms:.0f} ms, "
-        f"{row.turns} turns, {row.errors} errors, {row.cpu_ms_per_turn:.0f} ms CPU a turn",
+        f"{row.turns} turns, {row.errors} errors, {row.cpu_ms_per_turn:.0f} ms CPU a turn, "
+        f"{row.cpu_ms_per_call:.0f} ms a call",
         file=sys.stderr,
     )
 

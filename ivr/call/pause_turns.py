@@ -62,14 +62,14 @@ class TurnSpeculation:
         self._task: asyncio.Task[str] | None = None
         self._turn_judge: asyncio.Task[None] | None = None
 
-    def _speculating(self) -> bool:
+    def speculating(self) -> bool:
         """Worth transcribing at a pause: the flow waits for speech and the bot is silent
         (speech over the bot is a barge-in, judged on its own)."""
         spec = self.spec
         return self.listening and self._speaker.current is None and spec is not None and spec.speech
 
     def at_pause(self, event: SpeechPaused) -> None:
-        if not self._speculating():
+        if not self.speculating():
             return
         log.debug("speculation.pause", pause=event.pause, speech_ms=event.speech_ms)
         self._task = asyncio.create_task(

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 from conftest import provider_settings
 from gateway_support import dial
@@ -183,3 +184,28 @@ async def test_an_stt_that_stalls_or_refuses_gets_the_re_ask_within_the_turn_dea
     assert any(e["event"] == "stt.failed" for e in logs)
     # The caller hears the re-ask ("Sorry, I didn't catch that") within the turn deadline.
     assert answered(report) < HEARD_WITHIN + 0.2
+
+
+# -- the words feed the speculation; the provider's end of turn is weighed --------------------
+
+
+async def test_final_words_in_the_pause_start_the_reply_and_an_agreeing_end_shortens_it(
+    fake_openai: FakeOpenAIServer, dg: FakeDeepgramServer
+) -> None:
+    dg.script = SttScript([SAID], final_delay=0.15)  # final words in the 300 ms endpoint
+    fake_openai.chat = lambda request: ChatScript(text=REPLY)
+    async with gateway(fake_openai, speculate_after_ms=60, **deepgram(dg)) as server:
+        with capture_logs() as logs:
+            report = await dial(server, ["What are your opening hours?"])
+        metrics = (await httpx.AsyncClient().get(f"{server.base_url}/metrics")).text
+    # At the pause the interim words lack the word still spoken: that speculation is dropped
+    # when the final words come (still in the pause), and the one on them is adopted.
+    assert user_said(fake_openai) == ["what are your opening", SAID]
+    assert not any(e["event"] == "flow.llm_failed" for e in logs)
+    assert not fake_openai.requests_for("transcriptions"), "words so far: no request"
+    latency = next(e for e in logs if e["event"] == "turn.latency")
+    assert latency["llm_ttft"] < 0.05, "the speculative reply's first token was in already"
+    assert latency["endpoint_silence"] < 0.29, "the agreeing end of turn ended the pause sooner"
+    used = 'ivr_stt_turn_hints_total{kind="end_of_turn",provider="deepgram",verdict="used"}'
+    assert used in metrics
+    assert answered(report) < 0.5

@@ -83,6 +83,7 @@ class LiveHearing:
     ) -> None:
         self._stt = stt
         self.words = words
+        self._speculation = speculation
         self.hints = TurnHints(
             stt.name, endpointer=endpointer, speculation=speculation, words=words
         )
@@ -183,6 +184,10 @@ class LiveHearing:
                 self.hints.on_hint(event)
                 continue
             self.words.heard(event, self._pushed)
+            if isinstance(event, FinalWords) and event.text and self.hints.pause is not None:
+                # The caller's pause began before these words were final: speculate on them
+                # (the interim words at the pause lack the word still being spoken).
+                self._speculation.words_changed(self.hints.pause)
             flush = self._flush
             if isinstance(event, FinalWords) and event.flushed and flush and not flush.done():
                 flush.set_result(None)

@@ -84,6 +84,18 @@ class TurnSpeculation:
             # finished one loses nothing, its reply needs these very words.
             self._endpointer.set_silence_ms(self._words_wait_ms(spec.turn))
 
+    @property
+    def words_task(self) -> asyncio.Task[str] | None:
+        """The words of the pause in progress being transcribed and judged, if any."""
+        return self._task
+
+    def words_changed(self, event: SpeechPaused) -> None:
+        """New words for the pause in progress (a streaming STT's final words came in after
+        the pause began): what was started on the old words is stale, start again on these."""
+        if self._task is not None and self._pause == event.pause:
+            self.drop()
+            self.at_pause(event)
+
     def _current(self, pause: int) -> bool:
         return self._task is not None and self._pause == pause
 

@@ -54,10 +54,13 @@ class TurnHints:
         self._words = words
         self._sounding = False
         self._paused = False
+        self.pause: SpeechPaused | None = None
+        """The pause in progress (the caller silent, the turn not over yet)."""
 
     def saw(self, event: EndpointEvent) -> None:
         """The endpointer's events, as they happen: its view of the caller."""
         self._paused = isinstance(event, SpeechPaused)
+        self.pause = event if isinstance(event, SpeechPaused) else None
         if isinstance(event, SpeechStarted | SpeechResumed | SpeechPaused):
             self._sounding = True
         else:
@@ -67,6 +70,11 @@ class TurnHints:
         verdict = "agreed" if self._paused else "early" if self._sounding else "idle"
         if verdict == "agreed" and hint.kind is TurnHintKind.END_OF_TURN and self._end_sooner():
             verdict = "used"
+            # The words' own judge may still be running on this pause: it sets the silence
+            # when done; the agreed end applies after it (the words can still keep it open).
+            task, pause = self._speculation.words_task, self.pause
+            if task is not None and not task.done():
+                task.add_done_callback(lambda _: self.pause is pause and self._end_sooner())
         metrics.STT_TURN_HINTS.labels(self._provider, hint.kind.value, verdict).inc()
         log.debug("stt.turn_hint", kind=hint.kind.value, verdict=verdict, at=round(hint.at, 3))
         return verdict

@@ -47,7 +47,7 @@ from ivr.state.outcomes import Outcome
 from ivr.state.redis_store import RedisCallStore
 from ivr.state.resilient import ResilientCallStore
 from ivr.stt.base import SpeechToText
-from ivr.stt.build import build_stt
+from ivr.stt.build import build_stts
 from ivr.telephony.rest import TwilioRest, rest_from_settings
 from ivr.telephony.twilio import SignatureChecker
 from ivr.tts.base import TextToSpeech
@@ -189,7 +189,7 @@ def build_gateway(
     if not settings.instance_id:
         settings = settings.model_copy(update={"instance_id": new_instance_id()})
     store = build_store(settings, settings.instance_id)
-    stt = stt or build_stt(settings)
+    stt, streaming_stt = (stt, None) if stt is not None else build_stts(settings)
     tts = tts or build_tts(settings)
     llm = llm or configured_llm(settings)
     prompts = PromptCache()
@@ -218,6 +218,7 @@ def build_gateway(
         warm=_warm_transfers(settings, store, rest, connector, llm),
         recordings=recordings_from_settings(settings, store),
         turn_model=_turn_model(settings),
+        streaming_stt=streaming_stt,
     )
     return Gateway(
         settings,

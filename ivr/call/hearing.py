@@ -5,7 +5,9 @@ Inbound: mu-law frames -> PCM16 -> endpointer (VAD at 8 kHz, no resampling on th
 finished utterances are upsampled whole and transcribed by the STT worker -> the floor, which
 hands the words that take it to ``listen()``. At a pause in the caller's speech while the flow
 listens, their words so far are transcribed at once (``TurnSpeculation``): the flow may start
-on its reply, and the words move the end of the turn (``ivr.call.turn_end``).
+on its reply, and the words move the end of the turn (``ivr.call.turn_end``). With a
+streaming STT, every payload also goes to the call's session as it arrives and a turn's end
+asks it for the final words instead of an upload (``ivr.call.live_hearing``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from ivr.audio.endpointer import (
 )
 from ivr.audio.resample import resample
 from ivr.call.barge_in import Floor
+from ivr.call.heard import not_understood, words_heard
 from ivr.call.inputs import NotUnderstood
+from ivr.call.live_hearing import LiveHearing
 from ivr.call.pause_turns import TurnSpeculation
 from ivr.call.speaking import Speaker
 from ivr.call.speech import HEARD_MARGIN
@@ -66,7 +70,11 @@ class Hearing:
         speculation: TurnSpeculation,
         heard_within: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        live: LiveHearing | None = None,
     ) -> None:
+        """``live``: a streaming STT hears the call (``ivr.call.live_hearing``); ``stt`` is
+        then only asked for the words so far."""
+        self._live = live
         self._endpointer = endpointer
         self._stt = stt
         self._floor = floor
@@ -88,6 +96,8 @@ class Hearing:
 
     async def on_media(self, ulaw: bytes, stream_time: float) -> None:
         """One inbound payload (normally 20 ms); ``stream_time`` is Twilio's timestamp (s)."""
+        if self._live is not None:
+            self._live.push(ulaw, stream_time)  # as it arrives: the provider hears it live
         decoded = ulaw_to_pcm16(ulaw)
         for tap in self._audio_taps:
             tap(decoded)
@@ -117,6 +127,8 @@ class Hearing:
 
     async def _on_endpoint(self, event: EndpointEvent, stream_now: float) -> None:
         floor = self._floor
+        if self._live is not None:
+            self._live.hints.saw(event)
         if isinstance(event, SpeechPaused):
             self.speculation.drop()
             if not floor.caller_paused(event.audio, event.speech_ms):
@@ -130,11 +142,17 @@ class Hearing:
             await floor.sound_started(event.t)
             return
         if not floor.sound_ended(event) or isinstance(event, SpeechDiscarded):
+            if self._live is not None:  # its words, if the provider heard any, are no turn
+                self._live.no_turn(event.t_detected)
             return
         now = self._clock()
         # Map stream time back to our clock: the caller stopped (stream_now - end) ago.
         speech_end = now - max(0.0, stream_now - event.t_end_of_speech)
-        pending = _PendingUtterance(event.audio, TurnTimings(speech_end=speech_end, endpoint=now))
+        timings = TurnTimings(speech_end=speech_end, endpoint=now)
+        if self._live is not None:
+            self._live.turn_ended(timings, event.t_end_of_speech, self.speculation.take())
+            return
+        pending = _PendingUtterance(event.audio, timings)
         pending.speculative = self.speculation.take()  # no speech since that pause: same words
         if self._stt_queue.full():
             metrics.INBOUND_DROPPED.inc()
@@ -143,11 +161,15 @@ class Hearing:
 
     def stt_pending(self) -> bool:
         """Speech that ended is being, or waits to be, transcribed."""
-        return self._stt_busy > 0 or not self._stt_queue.empty()
+        live = self._live is not None and self._live.pending()
+        return live or self._stt_busy > 0 or not self._stt_queue.empty()
 
     # -- STT worker (run in the call's task group) ----------------------------------------
 
     async def run_stt(self) -> None:
+        if self._live is not None:
+            await self._live.run()
+            return
         while True:
             pending = await self._stt_queue.get()
             self._stt_busy += 1
@@ -195,15 +217,8 @@ class Hearing:
             else:
                 text = await self._transcribe_now(pending)
         except ProviderError as exc:
-            metrics.count_provider_error("stt", exc.provider, exc)
-            self._speaker.stats.provider_errors += 1
-            log.warning("stt.failed", error=str(exc), kind=exc.kind.value)
-            return NotUnderstood()
-        timings.stt_end = self._clock()
-        metrics.STT_LATENCY.labels(self._stt.name).observe(timings.stt_end - timings.endpoint)
-        self._speaker.answering = timings
-        log.info("caller.said", pii_text=text, stt_s=round(timings.stt_end - timings.stt_start, 3))
-        return Utterance(text=text, latency={"stt": timings.stt_end - timings.stt_start})
+            return not_understood(self._speaker, exc)
+        return words_heard(self._stt.name, self._speaker, timings, text, self._clock())
 
     async def _transcribe_now(self, pending: _PendingUtterance) -> str:
         timings = pending.timings
@@ -214,6 +229,10 @@ class Hearing:
             turn_deadline.set(deadline)
         result = await self._stt.transcribe(audio)
         return result.text.strip()
+
+    async def aclose(self) -> None:
+        if self._live is not None:
+            await self._live.aclose()
 
     def _deadline_of(self, timings: TurnTimings) -> float | None:
         """When STT must have answered for a failure's re-ask to be heard in time (None: off)."""

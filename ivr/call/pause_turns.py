@@ -62,14 +62,14 @@ class TurnSpeculation:
         self._task: asyncio.Task[str] | None = None
         self._turn_judge: asyncio.Task[None] | None = None
 
-    def _speculating(self) -> bool:
+    def speculating(self) -> bool:
         """Worth transcribing at a pause: the flow waits for speech and the bot is silent
         (speech over the bot is a barge-in, judged on its own)."""
         spec = self.spec
         return self.listening and self._speaker.current is None and spec is not None and spec.speech
 
     def at_pause(self, event: SpeechPaused) -> None:
-        if not self._speculating():
+        if not self.speculating():
             return
         log.debug("speculation.pause", pause=event.pause, speech_ms=event.speech_ms)
         self._task = asyncio.create_task(
@@ -83,6 +83,18 @@ class TurnSpeculation:
             # would end it first. Hold the turn as long as an unfinished one may wait; a
             # finished one loses nothing, its reply needs these very words.
             self._endpointer.set_silence_ms(self._words_wait_ms(spec.turn))
+
+    @property
+    def words_task(self) -> asyncio.Task[str] | None:
+        """The words of the pause in progress being transcribed and judged, if any."""
+        return self._task
+
+    def words_changed(self, event: SpeechPaused) -> None:
+        """New words for the pause in progress (a streaming STT's final words came in after
+        the pause began): what was started on the old words is stale, start again on these."""
+        if self._task is not None and self._pause == event.pause:
+            self.drop()
+            self.at_pause(event)
 
     def _current(self, pause: int) -> bool:
         return self._task is not None and self._pause == pause

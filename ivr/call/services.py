@@ -22,7 +22,7 @@ from ivr.control.warm import WarmTransfers
 from ivr.control.webhook_auth import StreamAuth
 from ivr.recording.service import Recordings
 from ivr.state.base import CallRecord, CallStore
-from ivr.stt.base import SpeechToText
+from ivr.stt.base import SpeechToText, StreamingSpeechToText
 from ivr.telephony.rest import TwilioRest
 from ivr.tts.base import TextToSpeech
 
@@ -69,3 +69,6 @@ class CallServices:
     turn_model: EndOfTurnDetector | None = None
     """The process's audio end-of-turn model (None: turns end on words and silence alone)."""
     """Saves the recordings of calls whose record says so; None when no sink is configured."""
+    streaming_stt: StreamingSpeechToText | None = None
+    """A streaming STT (``IVR_STT_PROVIDER=deepgram`` ...): each call opens one session on it
+    at ``start`` and ``stt`` only serves what is not a call (None: ``stt`` hears the calls)."""

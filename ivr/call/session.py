@@ -24,6 +24,8 @@ from ivr.audio.endpointer import Endpointer
 from ivr.call.barge_in import Floor
 from ivr.call.hearing import Hearing
 from ivr.call.inputs import CallerInputs, Key, NotUnderstood
+from ivr.call.live_hearing import LiveHearing
+from ivr.call.live_words import LiveWords
 from ivr.call.pause_turns import TurnSpeculation
 from ivr.call.player import AudioPlayer
 from ivr.call.prompts import PromptCache
@@ -38,7 +40,7 @@ from ivr.callio.timeline import CallTimeline
 from ivr.callio.turn_policy import DEFAULT_POLICIES
 from ivr.control.transfers import WarmTransfer
 from ivr.obs import metrics
-from ivr.stt.base import SpeechToText
+from ivr.stt.base import SpeechToText, StreamingSpeechToText
 from ivr.tts.base import TextToSpeech
 
 
@@ -74,6 +76,7 @@ class CallSession:
         heard_within: float | None = None,
         turn_model: TurnModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        streaming_stt: StreamingSpeechToText | None = None,  # hears the call (one session)
     ) -> None:
         """``heard_within``: when a provider fails, the caller hears the cached apology (or
         the not-understood prompt) within this many seconds of their speech's end (None:
@@ -90,6 +93,8 @@ class CallSession:
             heard_within=heard_within,
             clock=clock,
         )
+        words = None if streaming_stt is None else LiveWords(streaming_stt.name)
+        stt = words or stt
         self._floor = Floor(
             speaker=self._speaker,
             endpointer=endpointer,
@@ -113,6 +118,7 @@ class CallSession:
             speculation=self._speculation,
             heard_within=heard_within,
             clock=clock,
+            live=_live_hearing(self, streaming_stt, words, endpointer, heard_within),
         )
         self._endpointer = endpointer
         # interruptions, speculation, timeline, turn log, caller audio: all of them
@@ -152,6 +158,7 @@ class CallSession:
     async def aclose(self) -> None:
         """The stream is over: cancel what speculation still runs."""
         await self._speculation.aclose()
+        await self._hearing.aclose()
         await self._floor.aclose()
         await self._speaker.aclose()
 
@@ -308,3 +315,21 @@ class CallSession:
 
     async def hangup(self) -> None:
         self._on_end(CallEnd(EndAction.HANGUP))
+
+
+def _live_hearing(
+    session: CallSession,
+    stt: StreamingSpeechToText | None,
+    words: LiveWords | None,
+    endpointer: Endpointer,
+    heard_within: float | None,
+) -> LiveHearing | None:
+    """A streaming STT hears the call in place of the batch one (``ivr.call.live_hearing``),
+    and its words so far answer the floor's and the speculation's questions, no request."""
+    if stt is None or words is None:
+        return None
+    return LiveHearing(
+        stt, words=words, endpointer=endpointer, speculation=session._speculation,
+        floor=session._floor, speaker=session._speaker, heard_within=heard_within,
+        clock=session._clock,
+    )  # fmt: skip

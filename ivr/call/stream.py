@@ -264,6 +264,7 @@ def _new_session(
         llm_name=services.llm_name,
         heard_within=services.heard_within,
         turn_model=services.turn_model,
+        streaming_stt=services.streaming_stt,
     )
 
 

@@ -113,6 +113,13 @@ SPECULATION = Counter(
     "outcome: used by the turn, wasted (the caller went on) or failed (the live turn retried).",
     ["stage", "outcome"],
 )
+STT_TURN_HINTS = Counter(
+    "ivr_stt_turn_hints_total",
+    "A streaming STT's own end-of-turn signals, by provider, kind and verdict against the "
+    "gateway's endpointer: agreed (it heard a pause), early (it heard speech), idle (no speech "
+    "in progress), used (agreed, and ended the pause sooner).",
+    ["provider", "kind", "verdict"],
+)
 PROMPT_CACHE = Counter("ivr_prompt_cache_total", "Static prompt audio lookups.", ["result"])
 RECORDINGS = Counter(
     "ivr_recordings_total",

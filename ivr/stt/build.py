@@ -123,12 +123,26 @@ def _require(value: str, variable: str, provider: str) -> None:
         raise ConfigError(f"IVR_STT_PROVIDER={provider} needs {variable}")
 
 
-def _streaming_only(settings: Settings) -> SpeechToText:
-    raise ConfigError(
-        f"IVR_STT_PROVIDER={settings.stt_provider} is a streaming provider: build it with "
-        "build_streaming_stt (the call session takes it once its integration lands, issue 24)"
-    )
+def _streamed_batch(settings: Settings) -> SpeechToText:
+    """A streaming provider's session per utterance, for what is not a call (a call opens
+    its own session: ``build_stts``)."""
+    from ivr.stt.stream_batch import StreamedBatchStt
+
+    stream = build_streaming_stt(settings)
+    assert stream is not None
+    return StreamedBatchStt(stream)
 
 
 for _name in STREAMING_STT:
-    BUILDERS[_name] = _streaming_only  # type: ignore[index]
+    BUILDERS[_name] = _streamed_batch  # type: ignore[index]
+
+
+def build_stts(settings: Settings) -> tuple[SpeechToText, StreamingSpeechToText | None]:
+    """The batch STT and, for a streaming provider, the streaming one each call opens a
+    session on (the batch one is then the same provider, one session per utterance)."""
+    stream = build_streaming_stt(settings)
+    if stream is None:
+        return build_stt(settings), None
+    from ivr.stt.stream_batch import StreamedBatchStt
+
+    return StreamedBatchStt(stream), stream

@@ -157,7 +157,6 @@ class LiveSttSession:
                 async with asyncio.timeout_at(self._finalize_deadline) as self._timer:
                     message = await self._socket.recv()
             except TimeoutError:
-                self._timer = None
                 events = self._timed_out(loop.time())
             except ConnectionClosedOK as exc:
                 if self._closing:
@@ -166,8 +165,9 @@ class LiveSttSession:
             except ConnectionClosed as exc:
                 raise closed_error(self.provider, exc) from exc
             else:
-                self._timer = None
                 events = self._wire.parse(message)
+            finally:  # also when the reader is cancelled: a finished timer cannot be moved
+                self._timer = None
             for event in events:
                 if isinstance(event, FinalWords) and event.flushed:
                     self._finalize_deadline = None

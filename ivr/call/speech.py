@@ -92,6 +92,7 @@ class SpeechHandle:
         self._interrupted = False
         self._paused = False
         self._heard = ""
+        self._unheard = ""
         self._apologised = False
         self._reply_broken = False
         self._voice = voice
@@ -172,6 +173,8 @@ class SpeechHandle:
         if self._interrupted:
             return
         self._heard = self._heard_so_far()
+        said = self._streamed.text if self._streamed else " ".join(s.text for s in self._segments)
+        self._unheard = unheard_rest(said, self._heard)
         self._interrupted = True  # from here on the handle refuses to write (see _guard)
         self._paused = False
         if self._streamed is not None:
@@ -201,7 +204,7 @@ class SpeechHandle:
                 producer.cancel()
                 await asyncio.wait({producer})
         if self._interrupted:
-            return Spoken(text_heard=self._heard, interrupted=True)
+            return Spoken(text_heard=self._heard, interrupted=True, text_unheard=self._unheard)
         if self._streamed is not None:
             return Spoken(text_heard=self._streamed.spoken())
         # A sentence TTS failed on was never heard: keep only segments that had audio.
@@ -333,6 +336,11 @@ class SpeechHandle:
     async def _write_pcm(self, segment: Segment, pcm: bytes) -> None:
         if pcm:
             await self._write(segment, pcm16_to_ulaw(pcm))
+
+
+def unheard_rest(said: str, heard: str) -> str:
+    """The words of ``said`` after the ones heard (what was heard is always its first words)."""
+    return " ".join(said.split()[len(heard.split()) :])
 
 
 def _turn_deadline(turn: TurnTimings | None, heard_within: float | None) -> float | None:

@@ -9,6 +9,15 @@ import numpy as np
 
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.stt.base import FinalWords, SpeechToTextSession, SttStreamEvent
+from ivr.testing.cartesia_server import FakeCartesiaServer
+from ivr.testing.elevenlabs_server import FakeElevenLabsServer
+from ivr.testing.ws_server import FakeWsServer
+
+VOICE_SERVERS: dict[str, type[FakeWsServer]] = {
+    "cartesia": FakeCartesiaServer,
+    "elevenlabs": FakeElevenLabsServer,
+}
+"""The streaming TTS stand-ins, by ``IVR_TTS_PROVIDER`` name."""
 
 FRAME = 160
 SILENCE = b"\xff" * FRAME

@@ -261,6 +261,22 @@ def test_the_record_timeline_shows_keys_masked_barge_ins_and_its_own_node_change
     assert [line["cut"] for line in masked["transcript"] if line["who"] == "bot"] == [True]
 
 
+def test_a_cut_bot_line_carries_the_words_the_caller_did_not_hear() -> None:
+    record = CallRecord(call_sid="CA5", from_number=CALLER)
+    record.add_message("assistant", "Call us on 555 0100 at")
+    record.add_message("user", "thanks")
+    heard, unheard = "Call us on 555 0100 at", "nine tomorrow, or write to us."
+    at = "2026-01-01T10:00:06+00:00"
+    record.add_events([{"at": at, "kind": "barge_in", "node": "a", "heard": heard,
+                        "unheard": unheard}])  # fmt: skip
+    [bot] = [line for line in views.detail(record, pii=True, events=[])["transcript"]
+             if line["who"] == "bot"]  # fmt: skip
+    assert bot == {"who": "bot", "text": heard, "cut": True, "unheard": unheard}
+    masked = views.detail(record, pii=False, events=[])
+    [event] = masked["events"]
+    assert "555" not in event["heard"] and event["unheard"] == unheard
+
+
 async def test_the_ended_search_pages_every_ended_call_and_refuses_a_bad_field() -> None:
     store = MemoryCallStore()
     for i in range(5):
@@ -642,6 +658,8 @@ async def test_a_browser_on_another_instance_lists_an_ended_call_with_its_keys_a
         assert [e["to"] for e in events if e["kind"] == "node"] == ["menu", "assistant", "goodbye"]
         [barge_in] = [e for e in events if e["kind"] == "barge_in"]
         assert barge_in["node"] == "assistant" and LONG_REPLY.startswith(barge_in["heard"])
+        said = f"{barge_in['heard']} {barge_in['unheard']}"  # and what was cut off
+        assert barge_in["unheard"] and LONG_REPLY.startswith(said), barge_in
         unmasked = await http.get(
             f"/console/api/calls/{report.call_sid}", params={"pii": "true"}, headers=bearer(PII)
         )
@@ -670,7 +688,12 @@ async def test_a_browser_on_another_instance_lists_an_ended_call_with_its_keys_a
         await expect(page.locator("#events li.dtmf")).to_contain_text("key press * at menu")
         await expect(page.locator("#events li.barge_in")).to_contain_text("barge-in at assistant")
         await expect(page.locator("#events li.node")).to_have_count(3)
-        await expect(page.locator("#transcript li.bot.cut").first).to_be_visible()
+        cut = page.locator("#transcript li.bot.cut").first
+        await expect(cut).to_be_visible()
+        # Each word on its side of the cut: heard, then the ones written and never heard.
+        heard = await cut.locator(".word.heard").all_inner_texts()
+        unheard = await cut.locator(".word.unheard").all_inner_texts()
+        assert heard == barge_in["heard"].split() and unheard == barge_in["unheard"].split()
         await page.screenshot(path=str(ARTIFACTS / "console-ended-elsewhere.png"), full_page=True)
         assert CALLER not in await page.content()
         await browser.close()

@@ -34,6 +34,7 @@ from ivr.tts.build import BUILDERS as tts_builders
 from ivr.tts.build import build_streaming_tts, build_tts
 from ivr.tts.openai_http import OpenAIHttpTts
 from ivr.tts.resilient import ResilientTts
+from ivr.tts.voice import StreamingVoice
 
 KEY = "sk-faults"
 FIRST = 0.5  # first-output limit of every adapter here (STT: the whole answer)
@@ -569,8 +570,10 @@ def test_every_provider_name_the_settings_take_has_a_builder() -> None:
     assert voices == {"cartesia": "cartesia", "elevenlabs": "elevenlabs"}
     with pytest.raises(ConfigError, match="DEEPGRAM_API_KEY"):
         build_streaming_stt(Settings(_env_file=None, stt_provider="deepgram"))  # type: ignore[call-arg]
-    with pytest.raises(ConfigError, match="streaming provider"):
+    with pytest.raises(ConfigError, match="CARTESIA_API_KEY"):
         build_tts(Settings(_env_file=None, tts_provider="cartesia"))  # type: ignore[call-arg]
+    voice = build_tts(settings(tts_provider="elevenlabs"))  # the call's voice: its sessions
+    assert isinstance(voice, StreamingVoice) and voice.streaming.name == "elevenlabs"
 
 
 def test_a_fallback_for_an_offline_engine_is_refused_at_startup() -> None:

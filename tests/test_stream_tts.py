@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from streaming_fixtures import VOICE_SERVERS
 
 from ivr.errors import ProviderError, ProviderErrorKind, ProviderStatusError, ProviderTimeout
 from ivr.testing.cartesia_server import FakeCartesiaServer
 from ivr.testing.elevenlabs_server import FakeElevenLabsServer
 from ivr.testing.tts_script import TtsScript
-from ivr.testing.ws_server import FakeWsServer, WsFault
+from ivr.testing.ws_server import WsFault
 from ivr.tts.cartesia import CartesiaTts
 from ivr.tts.elevenlabs import ElevenLabsTts
 
@@ -27,10 +28,7 @@ Server = FakeCartesiaServer | FakeElevenLabsServer
 
 @pytest.fixture(params=["cartesia", "elevenlabs"])
 async def server(request: pytest.FixtureRequest) -> AsyncIterator[Server]:
-    kind: type[FakeWsServer] = (
-        FakeCartesiaServer if request.param == "cartesia" else FakeElevenLabsServer
-    )
-    async with kind(api_key=KEY) as srv:
+    async with VOICE_SERVERS[request.param](api_key=KEY) as srv:
         yield srv  # type: ignore[misc]
 
 

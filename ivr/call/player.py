@@ -55,6 +55,8 @@ class Segment:
     """Fraction heard before a pause cut it (it then plays again from ``replay_from``)."""
     replay_from: int = 0
     """Byte where the current playing of the audio starts (after a pause: its last phrase)."""
+    heard_seconds_before: float = 0.0
+    """Seconds of its audio heard before a pause cut it (``heard_seconds``)."""
 
     @property
     def duration(self) -> float:
@@ -74,6 +76,16 @@ class Segment:
         )
         played = now - self.play_start + self.replay_from / BYTES_PER_SECOND
         return max(self.heard_before, min(1.0, played / length))
+
+    def heard_seconds(self, now: float) -> float:
+        """How far into its audio (seconds from its first byte) the caller has heard: with the
+        provider's word times, which words they heard."""
+        if self.played.is_set() and not self.dropped:
+            return self.duration
+        if self.play_start is None or now <= self.play_start:
+            return self.heard_seconds_before
+        played = now - self.play_start + self.replay_from / BYTES_PER_SECOND
+        return max(self.heard_seconds_before, min(self.duration, played))
 
 
 def heard_prefix(text: str, fraction: float) -> str:
@@ -280,6 +292,7 @@ class AudioPlayer:
                 segment.played.set()
                 continue
             segment.heard_before = fraction
+            segment.heard_seconds_before = segment.heard_seconds(now)
             if segment.play_start is not None:  # cut while playing: go back to its phrase
                 heard = segment.replay_from + (now - segment.play_start) * BYTES_PER_SECOND
                 segment.replay_from = phrase_start(segment.audio, int(heard))

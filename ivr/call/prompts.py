@@ -1,6 +1,7 @@
 """Pre-synthesised prompt audio, so static prompts (greetings, menus) start playing at once.
 
-Keyed by (voice, text) and stored as 8 kHz mu-law, ready to send. Static prompt texts are
+Keyed by (voice, text) and stored as 8 kHz mu-law, ready to send (a streaming voice's own
+mu-law is kept as it comes). Static prompt texts are
 synthesised at startup; other texts said through ``say`` are cached too, in a bounded LRU, so
 callers may add phrases they repeat via ``put``.
 """
@@ -17,6 +18,7 @@ from ivr.audio.resample import resample
 from ivr.errors import ProviderError
 from ivr.obs import metrics
 from ivr.tts.base import TextToSpeech
+from ivr.tts.voice import StreamingVoice
 
 log = structlog.get_logger("ivr.prompts")
 
@@ -67,5 +69,7 @@ class PromptCache:
 
 
 async def synthesise_ulaw(tts: TextToSpeech, text: str) -> bytes:
+    if isinstance(tts, StreamingVoice):  # the phone's own mu-law already: keep it as it is
+        return await tts.synthesize_ulaw(text)
     pcm = b"".join([chunk async for chunk in tts.synthesize(text)])
     return pcm16_to_ulaw(resample(pcm, tts.sample_rate, 8000))

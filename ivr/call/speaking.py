@@ -17,6 +17,7 @@ from ivr.call.speech import SpeechHandle
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.callio.io import Spoken
 from ivr.tts.base import TextToSpeech
+from ivr.tts.voice import StreamingVoice
 
 
 class Speaker:
@@ -32,6 +33,9 @@ class Speaker:
     ) -> None:
         self.player = player
         self.prefetch = SpeculativeSpeech(tts)
+        # A streaming voice speaks each reply in one session, its text pushed as the LLM
+        # writes it: a sentence prefetched apart could not join that session (see README).
+        self._voice = tts.streaming if isinstance(tts, StreamingVoice) else None
         self._prompts = prompts
         self._llm_name = llm_name
         self._heard_within = heard_within
@@ -48,7 +52,7 @@ class Speaker:
         return self._prompts.get(self.prefetch.voice, text)
 
     def prefetch_speech(self, text: str) -> None:
-        if self.cached(text) is None:  # cached prompts need no TTS
+        if self._voice is None and self.cached(text) is None:  # cached prompts need no TTS
             self.prefetch.prefetch(text)
 
     def new_speech(self, interruptible: bool) -> SpeechHandle:
@@ -64,6 +68,7 @@ class Speaker:
             llm_name=self._llm_name,
             heard_within=self._heard_within,
             clock=self._clock,
+            voice=self._voice,
         )
 
     @staticmethod

@@ -14,6 +14,7 @@ the caller heard before the interruption. The reply's latency record is ``ivr.ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -25,14 +26,15 @@ from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import StreamResampler
 from ivr.call.player import AudioPlayer, Segment, heard_prefix
 from ivr.call.prompts import PromptCache
+from ivr.call.reply_text import ReplyText, provider_failed
 from ivr.call.reply_timing import ReplyTiming, TurnRecorder
+from ivr.call.streamed_speech import StreamedReply
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.callio.io import Spoken
-from ivr.callio.sentences import SentenceChunker
 from ivr.errors import ProviderError
 from ivr.obs import metrics
 from ivr.providers.resilience import turn_deadline
-from ivr.tts.base import TextToSpeech
+from ivr.tts.base import StreamingTextToSpeech, TextToSpeech
 
 log = structlog.get_logger("ivr.call")
 
@@ -69,7 +71,10 @@ class SpeechHandle:
         llm_name: str = "llm",
         heard_within: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        voice: StreamingTextToSpeech | None = None,
     ) -> None:
+        """``voice``: a streaming voice speaks text replies, one session each
+        (``ivr.call.streamed_speech``); ``tts`` then serves only the prompt cache's key."""
         self.interruptible = interruptible
         self.turn = turn
         """The caller turn this speech answers, if it started after that turn was heard."""
@@ -87,14 +92,26 @@ class SpeechHandle:
         self._interrupted = False
         self._paused = False
         self._heard = ""
+        self._unheard = ""
         self._apologised = False
         self._reply_broken = False
+        self._voice = voice
+        self._streamed: StreamedReply | None = None
 
     # -- starting -------------------------------------------------------------------------
 
     def play_text(self, chunks: AsyncIterator[str], *, from_llm: bool) -> None:
         """Speak text as it arrives; ``from_llm`` times the LLM stages of the turn."""
-        self._start(self._produce_text(chunks, from_llm))
+        if self._voice is None:
+            self._start(self._produce_text(chunks, from_llm))
+            return
+        reply = self._streamed = StreamedReply(
+            self._voice, open_segment=self._open_segment, write=self._write,
+            close_segment=self._player.close_segment, apologise=self._apologise,
+            timing=self._timing, stats=self._stats, clock=self._clock,
+        )  # fmt: skip
+        deadline = _turn_deadline(self.turn, self._heard_within)
+        self._start(reply.produce(chunks, self.turn if from_llm else None, deadline))
 
     def play_cached(self, text: str, ulaw: bytes) -> None:
         """Speak pre-synthesised audio of ``text``."""
@@ -156,8 +173,12 @@ class SpeechHandle:
         if self._interrupted:
             return
         self._heard = self._heard_so_far()
+        said = self._streamed.text if self._streamed else " ".join(s.text for s in self._segments)
+        self._unheard = unheard_rest(said, self._heard)
         self._interrupted = True  # from here on the handle refuses to write (see _guard)
         self._paused = False
+        if self._streamed is not None:
+            self._streamed.cancel()  # the provider stops synthesising now
         if self._producer is not None:
             self._producer.cancel()
         self._stats.barge_ins += 1
@@ -183,13 +204,17 @@ class SpeechHandle:
                 producer.cancel()
                 await asyncio.wait({producer})
         if self._interrupted:
-            return Spoken(text_heard=self._heard, interrupted=True)
+            return Spoken(text_heard=self._heard, interrupted=True, text_unheard=self._unheard)
+        if self._streamed is not None:
+            return Spoken(text_heard=self._streamed.spoken())
         # A sentence TTS failed on was never heard: keep only segments that had audio.
         heard = " ".join(s.text for s in self._segments if s.total_bytes > 0)
         return Spoken(text_heard=heard.strip())
 
     def _heard_so_far(self) -> str:
         now = self._clock()
+        if self._streamed is not None:  # to the word, by the provider's word times
+            return self._streamed.heard(now)
         return " ".join(heard_prefix(s.text, s.heard_fraction(now)) for s in self._segments).strip()
 
     # -- the player, behind the interrupt guard -------------------------------------------
@@ -226,10 +251,8 @@ class SpeechHandle:
         """Text pieces -> sentences -> TTS -> player; LLM deltas overlap with synthesis."""
         sentences: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SENTENCE_QUEUE_SIZE)
         turn = self.turn if from_llm else None
-        if self.turn is not None and self._heard_within is not None:
-            # The tasks below (the LLM stream, TTS) inherit it: a failing stage gives up in
-            # time for the cached apology to be heard within heard_within of the caller's end.
-            turn_deadline.set(self.turn.speech_end + self._heard_within - HEARD_MARGIN)
+        if (deadline := _turn_deadline(self.turn, self._heard_within)) is not None:
+            turn_deadline.set(deadline)  # the tasks below (the LLM stream, TTS) inherit it
 
         async def synthesise() -> None:
             while (sentence := await sentences.get()) is not None:
@@ -247,34 +270,15 @@ class SpeechHandle:
         sentences: asyncio.Queue[str | None],
         turn: TurnTimings | None,
     ) -> None:
-        chunker = SentenceChunker()
+        text = ReplyText(self._timing, self._stats, self._clock)
         said_anything = False
-        try:
-            if turn is not None:
-                turn.llm_start = self._clock()
-            async for delta in chunks:
-                self._timing.first_token(turn)
-                for piece in chunker.push(delta):
-                    said_anything = True
-                    await self._queue_sentence(sentences, piece, turn)
-            for piece in chunker.flush():
+        async with contextlib.aclosing(text.pieces(chunks, turn)) as pieces:
+            async for piece in pieces:
                 said_anything = True
-                await self._queue_sentence(sentences, piece, turn)
-        except ProviderError as exc:
-            metrics.count_provider_error("llm", exc.provider, exc)
-            self._stats.provider_errors += 1
-            log.warning("llm.failed", error=str(exc), kind=exc.kind.value)
-            if not said_anything:
-                await sentences.put(phrases.LLM_FAILURE)  # cached: see _synthesise_sentence
-        finally:
-            await _aclose(chunks)  # closes the provider's HTTP stream on barge-in too
+                await sentences.put(piece)
+        if text.failed and not said_anything:
+            await sentences.put(phrases.LLM_FAILURE)  # cached: see _synthesise_sentence
         await sentences.put(None)
-
-    async def _queue_sentence(
-        self, sentences: asyncio.Queue[str | None], piece: str, turn: TurnTimings | None
-    ) -> None:
-        self._timing.first_clause(turn)
-        await sentences.put(piece)
 
     async def _synthesise_sentence(self, text: str) -> None:
         cached = self._prompts.get(self._tts.voice, text)
@@ -304,9 +308,7 @@ class SpeechHandle:
                 await _aclose(stream)
             await self._write_pcm(segment, resampler.push(bytes(block)) + resampler.flush())
         except ProviderError as exc:
-            metrics.count_provider_error("tts", exc.provider, exc)
-            self._stats.provider_errors += 1
-            log.warning("tts.failed", error=str(exc), kind=exc.kind.value)
+            provider_failed("tts", exc, self._stats)
             failed = True
         finally:
             self._player.close_segment(segment)
@@ -334,6 +336,19 @@ class SpeechHandle:
     async def _write_pcm(self, segment: Segment, pcm: bytes) -> None:
         if pcm:
             await self._write(segment, pcm16_to_ulaw(pcm))
+
+
+def unheard_rest(said: str, heard: str) -> str:
+    """The words of ``said`` after the ones heard (what was heard is always its first words)."""
+    return " ".join(said.split()[len(heard.split()) :])
+
+
+def _turn_deadline(turn: TurnTimings | None, heard_within: float | None) -> float | None:
+    """When a failing stage gives up, in time for the cached apology to be heard within
+    ``heard_within`` of the caller's end (None: each stage keeps its own limit)."""
+    if turn is None or heard_within is None:
+        return None
+    return turn.speech_end + heard_within - HEARD_MARGIN
 
 
 async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:

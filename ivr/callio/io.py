@@ -28,6 +28,8 @@ class Spoken:
     text_heard: str
     """The part of the prompt the caller actually heard (all of it unless interrupted)."""
     interrupted: bool = False
+    text_unheard: str = ""
+    """After a barge-in, the rest of what the bot was saying: written, never heard."""
 
 
 @dataclass(frozen=True, slots=True)

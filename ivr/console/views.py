@@ -6,7 +6,8 @@ masked, and phone- or card-like text anywhere, unless ``pii``).
 The record keeps what the caller heard (``history``, bot text cut at a barge-in), one latency
 breakdown per answered turn (``turns``, see ``ivr.call.turns.TurnTimings.breakdown``) and its
 timeline (``timeline``: key presses, barge-ins, node changes; ``ivr.callio.timeline``). A bot line
-is shown as cut off when a barge-in on the timeline heard exactly it, or when it stops
+is shown as cut off when a barge-in on the timeline heard exactly it (with the words the
+caller did not hear, which the barge-in also keeps), or when it stops
 mid-sentence and the caller spoke next (records written before the timeline existed). Key
 presses are shown only to the PII token; others see one ``*`` per key.
 """
@@ -73,8 +74,12 @@ def detail(record: CallRecord, *, pii: bool, events: list[dict[str, Any]]) -> di
     """One call: its summary, transcript as heard, latency waterfall per turn, and events."""
     view = record.view(pii=pii)
     out = summary(record, pii=pii)
-    barged = {_heard(e.get("heard")) for e in record.timeline if e.get("kind") == "barge_in"}
-    out["transcript"] = transcript(view, barged - {""})
+    barged = {
+        _heard(e.get("heard")): _heard(e.get("unheard"))
+        for e in record.timeline
+        if e.get("kind") == "barge_in" and e.get("heard")
+    }
+    out["transcript"] = transcript(view, barged)
     out["waterfall"] = [waterfall(turn) for turn in record.turns]
     out["totals"] = totals(record.turns)
     out["transfer_to"] = view.get("transfer_to") or ""
@@ -95,9 +100,11 @@ def timeline_events(
     return sorted(merged, key=lambda e: str(e.get("at", "")))
 
 
-def transcript(view: dict[str, Any], barged: set[str] | None = None) -> list[dict[str, Any]]:
+def transcript(view: dict[str, Any], barged: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Caller and bot lines (the bot's as heard) and tool calls, in order; a bot line whose
-    text a barge-in heard (``barged``, as ``_heard`` keeps it) is cut."""
+    text a barge-in heard (``barged``: heard text, as ``_heard`` keeps it, to the words that
+    were not heard) is cut, and carries those words as ``unheard``."""
+    barged = barged or {}
     flow_history = view.get("flow_state", {}).get("history")
     items: list[dict[str, Any]] = flow_history or view.get("history") or []
     lines: list[dict[str, Any]] = []
@@ -107,8 +114,11 @@ def transcript(view: dict[str, Any], barged: set[str] | None = None) -> list[dic
             lines.append({"who": "caller", "text": text})
         elif role == "assistant":
             if text:
-                cut = bool(item.get("interrupted")) or _heard(text) in (barged or set())
-                lines.append({"who": "bot", "text": text, "cut": cut})
+                cut = bool(item.get("interrupted")) or _heard(text) in barged
+                line = {"who": "bot", "text": text, "cut": cut}
+                if barged.get(_heard(text)):
+                    line["unheard"] = barged[_heard(text)]
+                lines.append(line)
             for call in item.get("tool_calls") or []:
                 lines.append({"who": "tool", "text": f"{call['name']}({call['arguments']})"})
         elif role == "tool":
@@ -206,8 +216,9 @@ def _timeline_event(event: dict[str, Any], pii: bool) -> dict[str, Any]:
     shown = dict(event)
     if not pii and shown.get("kind") == "dtmf":
         shown["digits"] = "*" * len(str(shown.get("digits", "")))
-    if not pii and "heard" in shown:
-        shown["heard"] = mask_speech(str(shown["heard"]))
+    for key in ("heard", "unheard"):
+        if not pii and key in shown:
+            shown[key] = mask_speech(str(shown[key]))
     return shown
 
 

@@ -157,7 +157,8 @@ class FlowRunner:
         if self.timeline is not None and spoken.interrupted:
             node = self._state.node if self._state is not None else ""
             heard = mask_speech(spoken.text_heard)  # stored like the history it ends
-            self.timeline.add("barge_in", node=node, heard=heard)
+            unheard = mask_speech(spoken.text_unheard)  # the console shows where it was cut
+            self.timeline.add("barge_in", node=node, heard=heard, unheard=unheard)
 
     def _note_keys(self, heard: Utterance | Digits | NoInput | HungUp) -> None:
         if self.timeline is not None and isinstance(heard, Digits) and self._state is not None:

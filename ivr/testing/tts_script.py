@@ -28,6 +28,8 @@ class TtsScript:
     chunk_seconds: float = 0.1
     seconds_per_char: float = 0.06
     gap_seconds: float = 0.05
+    hz: float = 220.0
+    """The tone's pitch: a test may tell apart what two scripts said by it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,9 @@ class SpokenWord:
     """Seconds from the generation's first audio."""
 
 
-def _tone(seconds: float) -> bytes:
+def _tone(seconds: float, hz: float) -> bytes:
     t = np.arange(int(seconds * RATE)) / RATE
-    return pcm16_to_ulaw((np.sin(2 * np.pi * 220 * t) * 6000).astype("<i2").tobytes())
+    return pcm16_to_ulaw((np.sin(2 * np.pi * hz * t) * 6000).astype("<i2").tobytes())
 
 
 class Speaker:
@@ -66,7 +68,7 @@ class Speaker:
         for word in ready.split():
             length = max(0.1, len(word) * self.script.seconds_per_char)
             words.append(SpokenWord(word, round(self.seconds, 3), round(self.seconds + length, 3)))
-            audio += _tone(length) + b"\xff" * int(self.script.gap_seconds * RATE)
+            audio += _tone(length, self.script.hz) + b"\xff" * int(self.script.gap_seconds * RATE)
             self.seconds += length + self.script.gap_seconds
         return bytes(audio), words
 

@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
@@ -162,6 +162,7 @@ class FakeWsServer:
         self._stopping: asyncio.Event | None = None
         self._lock = threading.Lock()
         self._pending_fault: dict[int, WsFault | None] = {}
+        self._links: set[FaultyLink] = set()
 
     # ---- what a provider's server says ---------------------------------------------------
 
@@ -233,6 +234,18 @@ class FakeWsServer:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)
 
+    def arm(self, fault: WsFault) -> None:
+        """``fault`` on every connection open now, ``after`` counted from now (a socket shared
+        by many requests, as Cartesia's, fails mid-call); ``faults`` serve new connections."""
+        loop = self._loop
+        assert loop is not None, "start the server first"
+
+        def apply() -> None:
+            for link in self._links:
+                link.fault = replace(fault, after=link.record.sent + fault.after)
+
+        loop.call_soon_threadsafe(apply)
+
     # ---- per connection ------------------------------------------------------------------
 
     async def _check(self, ws: ServerConnection, request: Request) -> Response | None:
@@ -260,11 +273,13 @@ class FakeWsServer:
         self.connections.append(record)
         fault = self._pending_fault.pop(id(ws), None)
         link = FaultyLink(ws, record, fault, self.error_message, self._stopping_event())
+        self._links.add(link)
         try:
             await self.serve_connection(link)
         except ConnectionClosed:
             pass
         finally:
+            self._links.discard(link)
             record.closed = time.monotonic()
 
     def _stopping_event(self) -> asyncio.Event:

@@ -114,12 +114,14 @@ def _streaming(settings: Settings, name: str) -> StreamingTextToSpeech:
     )  # fmt: skip
 
 
-def _streaming_only(settings: Settings) -> TextToSpeech:
-    raise ConfigError(
-        f"IVR_TTS_PROVIDER={settings.tts_provider} is a streaming provider: build it with "
-        "build_streaming_tts (the call session takes it once its integration lands, issue 24)"
-    )
+def _streaming_voice(settings: Settings) -> TextToSpeech:
+    """A streaming voice for the call: replies use its sessions, prompts its whole texts."""
+    from ivr.tts.voice import StreamingVoice
+
+    streaming = build_streaming_tts(settings)
+    assert streaming is not None  # the name is one of STREAMING_TTS
+    return StreamingVoice(streaming)
 
 
 for _name in STREAMING_TTS:
-    BUILDERS[_name] = _streaming_only  # type: ignore[index]
+    BUILDERS[_name] = _streaming_voice  # type: ignore[index]

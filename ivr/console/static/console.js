@@ -227,17 +227,31 @@ function fact(name, value, title) {
 
 const WHO = { caller: "caller", bot: "bot (as heard)", tool: "tool call", tool_result: "tool result" };
 
+function words(text, side) {
+  return text.split(/\s+/).filter(Boolean).map((word) => {
+    const span = el("span", word);
+    span.className = `word ${side}`;
+    if (side === "unheard") span.title = "written, not heard: the caller cut in";
+    return span;
+  });
+}
+
 function transcriptLine(line) {
   const li = el("li", "");
   li.className = line.who + (line.cut ? " cut" : "");
   const who = el("span", WHO[line.who] || line.who);
   who.className = "who";
-  li.append(who, document.createTextNode(line.text));
+  if (!line.unheard) {
+    li.append(who, document.createTextNode(line.text));
+  } else {  // the barge-in kept the words not heard: each word on its side of the cut
+    li.append(who, ...words(line.text, "heard"));
+  }
   if (line.cut) {
     const mark = el("span", "⟂ barge-in: cut here");
     mark.className = "cut-mark";
     li.append(mark);
   }
+  if (line.unheard) li.append(...words(line.unheard, "unheard"));
   return li;
 }
 

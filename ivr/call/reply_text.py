@@ -1,0 +1,61 @@
+"""A reply's text as the LLM streams it, cut into pieces a voice speaks well (``SentenceChunker``:
+sentences, a first clause early), with the LLM stages of the turn timed on the way. Both
+producers of a ``SpeechHandle`` read it: the batch one (a TTS request a piece) and the streamed
+one (``ivr.call.streamed_speech``: every piece into one session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+import structlog
+
+from ivr.call.reply_timing import ReplyTiming
+from ivr.call.turns import CallStats, TurnTimings
+from ivr.callio.sentences import SentenceChunker
+from ivr.errors import ProviderError
+from ivr.obs import metrics
+
+log = structlog.get_logger("ivr.call")
+
+
+class ReplyText:
+    """``pieces()`` once; ``failed`` afterwards says whether the LLM gave up (counted, logged)."""
+
+    def __init__(self, timing: ReplyTiming, stats: CallStats, clock: Callable[[], float]) -> None:
+        self._timing = timing
+        self._stats = stats
+        self._clock = clock
+        self.failed = False
+
+    async def pieces(
+        self, chunks: AsyncIterator[str], turn: TurnTimings | None
+    ) -> AsyncGenerator[str, None]:
+        """The speakable pieces of ``chunks``; an LLM failure ends them (``failed``). Closing
+        this iteration closes ``chunks`` (the LLM's HTTP stream, on a barge-in too)."""
+        chunker = SentenceChunker()
+        try:
+            if turn is not None:
+                turn.llm_start = self._clock()
+            async for delta in chunks:
+                self._timing.first_token(turn)
+                for piece in chunker.push(delta):
+                    self._timing.first_clause(turn)
+                    yield piece
+            for piece in chunker.flush():
+                self._timing.first_clause(turn)
+                yield piece
+        except ProviderError as exc:
+            provider_failed("llm", exc, self._stats)
+            self.failed = True
+        finally:
+            aclose = getattr(chunks, "aclose", None)  # the seams promise only an AsyncIterator
+            if aclose is not None:
+                await aclose()
+
+
+def provider_failed(stage: str, exc: ProviderError, stats: CallStats) -> None:
+    """A provider gave up on this reply (``llm``, ``tts``): counted and logged, once."""
+    metrics.count_provider_error(stage, exc.provider, exc)
+    stats.provider_errors += 1
+    log.warning(f"{stage}.failed", error=str(exc), kind=exc.kind.value)

@@ -173,3 +173,25 @@ async def test_failover_before_first_audio_replays_the_text() -> None:
         await resilient.aclose()
     assert words == ["Your", "bike", "is", "ready."] and session.provider == "elevenlabs"
     assert elapsed < 1.5  # within the stage budget
+
+
+async def test_a_cartesia_socket_gone_silent_is_replaced_for_the_next_reply() -> None:
+    """The shared socket stalls mid-reply: that reply fails, the next one opens a new socket
+    (reusing the silent one would stall every later reply of every call)."""
+    async with FakeCartesiaServer(api_key=KEY) as server:
+        server.script = TtsScript(first_audio=0.02, speed=4)
+        server.faults = [WsFault(after=2, then="stall")]
+        client = tts(server)
+        session = await client.open()
+        session.push_text("Several words to say here, enough for a few chunks of audio. ")
+        session.end_input()
+        with pytest.raises(ProviderTimeout):
+            [part async for part in session]
+        await session.aclose()
+        session = await client.open()
+        session.push_text("Hi there. ")
+        session.end_input()
+        assert b"".join([p.audio async for p in session])
+        await session.aclose()
+        await client.aclose()
+        assert len(server.connections) == 2

@@ -7,7 +7,9 @@ times as ``timestamps`` messages (``add_timestamps``; seconds from the context's
 then ``done``; an ``error`` message (``status_code``, ``title``/``message`` or ``error``) ends
 the context. Sharing the socket spares each reply a TLS handshake (Cartesia's advice: many
 contexts over one socket); if it drops, every reply on it fails with the error and the next
-reply opens a new one.
+reply opens a new one. A socket that goes silent (a reply stalls and nothing at all came in
+on the socket for as long) is dropped the same way: a half-dead connection would otherwise
+stall every later reply of every call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import structlog
 from websockets.asyncio.client import ClientConnection
 
-from ivr.errors import ProviderError, ProviderErrorKind
+from ivr.errors import ProviderError, ProviderErrorKind, ProviderTimeout
 from ivr.providers.openai_http import payload_error
 from ivr.providers.streaming import PHONE_AUDIO, TimedWord
 from ivr.providers.websocket import open_socket, parse_json, transport_error
@@ -109,11 +111,14 @@ class _Link:
         self.outbox = Outbox(provider, socket)
         self.contexts: dict[str, asyncio.Queue[dict[str, Any] | ProviderError]] = {}
         self.failed: ProviderError | None = None
+        self.last_heard = asyncio.get_running_loop().time()
+        """When the socket last brought any message (for any context)."""
         self._reader = asyncio.create_task(self._read(), name=f"{provider}-reader")
 
     async def _read(self) -> None:
         try:
             async for message in self.socket:
+                self.last_heard = asyncio.get_running_loop().time()
                 body = parse_json(self.provider, message)
                 queue = self.contexts.get(str(body.get("context_id")))
                 if queue is None:
@@ -132,6 +137,14 @@ class _Link:
         for queue in self.contexts.values():
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(error)
+
+    def stalled(self, error: ProviderTimeout) -> None:
+        """A reply on this socket timed out: if the socket brought nothing at all for as
+        long, it is dead to us, and the next reply opens a new one."""
+        quiet = asyncio.get_running_loop().time() - self.last_heard
+        if self.failed is None and quiet >= error.seconds:
+            self.failed = error
+            log.warning("tts.socket_silent", provider=self.provider, quiet_s=round(quiet, 3))
 
     async def aclose(self) -> None:
         self._reader.cancel()
@@ -185,6 +198,9 @@ class CartesiaSession:
                 item = await self._clock.wait(self._queue.get)
             except Cancelled:
                 return
+            except ProviderTimeout as exc:
+                self._link.stalled(exc)
+                raise
             if isinstance(item, ProviderError):
                 raise item
             audio = self._message(item)

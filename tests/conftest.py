@@ -17,8 +17,12 @@ from ivr.gateway import build_gateway
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.server import RunningServer, running_server
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.deepgram_server import FakeDeepgramServer
+from ivr.testing.openai_realtime_server import FakeOpenAIRealtimeServer
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.tts.openai_http import OpenAIHttpTts
+
+STT_KEY = "stt-key"
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +45,20 @@ async def prefix() -> AsyncIterator[str]:
 def fake_openai() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer(api_key="sk-test") as server:
         yield server
+
+
+@pytest.fixture
+async def dg() -> AsyncIterator[FakeDeepgramServer]:
+    """A local Deepgram (Nova and Flux) checking the key ``stream_calls.KEY``."""
+    async with FakeDeepgramServer(api_key=STT_KEY) as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[FakeOpenAIRealtimeServer]:
+    """A local OpenAI Realtime transcription server checking ``stream_calls.KEY``."""
+    async with FakeOpenAIRealtimeServer(api_key=STT_KEY) as server:
+        yield server  # type: ignore[misc]
 
 
 def provider_settings(**overrides: Any) -> Settings:

@@ -137,6 +137,7 @@ class NovaWire:
     def __init__(self, provider: str) -> None:
         self.provider = provider
         self._interim = False  # the last result was interim with words
+        self._speaking = False  # speech started that no speech_final / from_finalize ended
 
     def opening(self) -> list[str]:
         return []
@@ -147,14 +148,16 @@ class NovaWire:
     def keepalive(self) -> str:
         return _KEEPALIVE
 
-    def finalize(self) -> Finalizing:
+    def finalize(self, unsent: bool) -> Finalizing:
         return Finalizing(json.dumps({"type": "Finalize"}), settled=False)
 
     def close_input(self) -> str:
         return _CLOSE
 
     def owes_words(self) -> bool:
-        return self._interim
+        # Speech Deepgram heard and did not end (speech_final, from_finalize) may still have
+        # words no interim showed yet; after its end, a Finalize may go unanswered.
+        return self._interim or self._speaking
 
     def parse(self, message: str | bytes) -> list[SttStreamEvent]:
         body = parse_json(self.provider, message)
@@ -163,6 +166,7 @@ class NovaWire:
             if kind == "Results":
                 return self._results(body)
             if kind == "SpeechStarted":
+                self._speaking = True
                 return [TurnHint(TurnHintKind.SPEECH_STARTED, float(body["timestamp"]))]
             if kind == "UtteranceEnd":
                 return [TurnHint(TurnHintKind.END_OF_TURN, float(body["last_word_end"]))]
@@ -178,8 +182,11 @@ class NovaWire:
         end = float(body["start"]) + float(body["duration"])
         if not body.get("is_final"):
             self._interim = bool(text)
+            self._speaking = self._speaking or bool(text)
             return [InterimWords(text, words)] if text else []
         self._interim = False
+        if body.get("speech_final") or body.get("from_finalize"):
+            self._speaking = False
         last = words[-1].confidence if words else None
         events: list[SttStreamEvent] = [
             FinalWords(text, words, last, audio_end=end, flushed=bool(body.get("from_finalize")))
@@ -207,8 +214,8 @@ class FluxWire:
     def keepalive(self) -> None:
         return None
 
-    def finalize(self) -> Finalizing:
-        if not self._in_turn:
+    def finalize(self, unsent: bool) -> Finalizing:
+        if not self._in_turn and not unsent:
             return Finalizing(None, settled=True)
         self._forced = True
         return Finalizing(json.dumps({"type": "ForceEndTurn"}), settled=False)

@@ -54,7 +54,10 @@ class SttWire(Protocol):
         """A message that keeps a quiet connection open (None: the provider needs none)."""
         ...
 
-    def finalize(self) -> Finalizing: ...
+    def finalize(self, unsent: bool) -> Finalizing:
+        """What ``finalize()`` sends; ``unsent``: audio pushed before it has not gone out yet
+        (a replay, a whole utterance at once), so the provider has not heard it."""
+        ...
 
     def close_input(self) -> str | None:
         """The message that ends the input once everything is final (Deepgram CloseStream)."""
@@ -66,7 +69,7 @@ class SttWire(Protocol):
         ...
 
     def owes_words(self) -> bool:
-        """Words were heard that no final has settled yet."""
+        """Words were heard that no final has settled yet (or an answer is due for sure)."""
         ...
 
 
@@ -74,6 +77,11 @@ class SttWire(Protocol):
 class LiveLimits:
     finalize: float
     """Seconds from ``finalize()`` to its flushed final words."""
+    quiet: float = 0.3
+    """Seconds a finalize waits for an answer while nothing is owed (no words pending, all
+    audio heard): a provider may then say nothing at all (Deepgram answers ``Finalize``
+    "typically when there is a noticeable amount of audio buffered"), and its silence is the
+    answer. Owed words wait ``finalize``."""
     keepalive: float = 5.0
     """Seconds without audio after which the wire's keep-alive goes out."""
     max_queued: float = 5.0
@@ -109,6 +117,8 @@ class LiveSttSession:
         self._closing = False  # end_input(): close once the flushed final is in
         self._settle_now = False  # a finalize() the wire answered without the provider
         self._finalize_deadline: float | None = None
+        self._asked_at = 0.0  # when finalize() was called
+        self._heard_all = True  # the provider had all the audio when finalize() was called
         self._timer: asyncio.Timeout | None = None
         self._sender = asyncio.create_task(self._send_loop(), name=f"{provider}-sender")
 
@@ -129,19 +139,34 @@ class LiveSttSession:
     def finalize(self) -> None:
         if self._finalize_deadline is not None:
             return  # one answer covers both
-        plan = self._wire.finalize()
+        self._heard_all = not self._queued
+        plan = self._wire.finalize(unsent=not self._heard_all)
         if plan.message is not None:
             self._control.append(plan.message)
             self._wake.set()
-        loop = asyncio.get_running_loop()
-        self._finalize_deadline = loop.time() + self.limits.finalize
+        now = asyncio.get_running_loop().time()
+        self._asked_at = now
+        self._finalize_deadline = now + self.limits.finalize
         self._settle_now = plan.settled
-        self._reschedule(loop.time() if plan.settled else self._finalize_deadline)
+        if (when := self._answer_by()) is not None:
+            self._reschedule(when)
 
     def end_input(self) -> None:
         if not self._closing:
             self._closing = True
             self.finalize()
+
+    def _answer_by(self) -> float | None:
+        """When the finalize in progress is settled without the provider's answer (None: no
+        finalize in progress)."""
+        deadline = self._finalize_deadline
+        if deadline is None:
+            return None
+        if self._settle_now:
+            return self._asked_at
+        if not self._heard_all or self._wire.owes_words():
+            return deadline
+        return min(deadline, self._asked_at + self.limits.quiet)
 
     def _reschedule(self, when: float) -> None:
         timer = self._timer
@@ -154,7 +179,7 @@ class LiveSttSession:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                async with asyncio.timeout_at(self._finalize_deadline) as self._timer:
+                async with asyncio.timeout_at(self._answer_by()) as self._timer:
                     message = await self._socket.recv()
             except TimeoutError:
                 events = self._timed_out(loop.time())
@@ -178,10 +203,10 @@ class LiveSttSession:
                     return
 
     def _timed_out(self, now: float) -> list[SttStreamEvent]:
-        """The finalize deadline (or the wire's settled answer) came before the provider's."""
+        """The finalize's deadline (or the wire's settled answer) came before the provider's."""
         if self._settle_now or not self._wire.owes_words():
-            # Nothing was pending: the provider may say nothing at all (Deepgram answers
-            # Finalize only when it holds audio), which is an answer too.
+            # Nothing was pending: the provider may say nothing at all (``LiveLimits.quiet``),
+            # which is an answer too.
             self._settle_now = False
             return [FinalWords("", flushed=True)]
         raise ProviderTimeout(self.provider, self.limits.finalize, phase="final words")

@@ -111,11 +111,11 @@ class RealtimeWire:
     def keepalive(self) -> None:
         return None  # the gateway's audio flows all call long; pings do the rest
 
-    def finalize(self) -> Finalizing:
-        # Audio sent since the last commit is committed whatever this side has read of the
-        # server's VAD (its speech_started may still be in flight): an empty buffer is an
-        # error event that answers the finalize just the same.
-        if self._appended:
+    def finalize(self, unsent: bool) -> Finalizing:
+        # Audio sent since the last commit (or about to be) is committed whatever this side
+        # has read of the server's VAD (its speech_started may still be in flight): an empty
+        # buffer is an error event that answers the finalize just the same.
+        if self._appended or unsent:
             self._flush = True
             return Finalizing(_COMMIT, settled=False)
         if self._pending:
@@ -127,7 +127,8 @@ class RealtimeWire:
         return None
 
     def owes_words(self) -> bool:
-        return self._in_speech or bool(self._pending)
+        # A commit always gets an answer (committed, or the empty buffer's error).
+        return self._in_speech or bool(self._pending) or self._flush
 
     def parse(self, message: str | bytes) -> list[SttStreamEvent]:
         body = parse_json(self.provider, message)

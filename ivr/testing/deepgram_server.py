@@ -34,6 +34,13 @@ class FakeDeepgramServer(FakeWsServer):
         """Seconds without audio or a message before the server gives up (NET-0001)."""
         self.eager_delay = 0.05
         """Flux: wall seconds from the end of speech to ``EagerEndOfTurn`` (when asked for)."""
+        self.eager_silence: float | None = None
+        """Flux: audio seconds of silence inside a stretch of speech after which
+        ``EagerEndOfTurn`` goes out at once, and ``TurnResumed`` if the caller goes on (None:
+        the eager end only comes ``eager_delay`` after the stretch ends)."""
+        self.finalize_silent = False
+        """Nova: a ``Finalize`` while no speech is held gets no answer at all (Deepgram answers
+        it "typically when there is a noticeable amount of audio buffered")."""
 
     def auth_ok(self, headers: Headers, query: dict[str, str]) -> bool:
         return self.api_key is None or headers.get("Authorization") == f"Token {self.api_key}"
@@ -138,11 +145,12 @@ class _Nova(_Listen):
 
     async def ended(self, segment: Segment, delay: float, *, finalize: bool = False) -> None:
         async def send() -> None:
-            body = self.results(segment, segment.all_words(), final=True)
+            words = segment.all_words(self.server.script.word_tail)
+            body = self.results(segment, words, final=True)
             body["from_finalize"] = finalize
             await self.link.send_json(body)
             if "utterance_end_ms" in self.link.record.query and segment.text:
-                last = segment.voiced_end
+                last = segment.voiced_end - self.server.script.word_tail
                 await self.link.send_json(
                     {"type": "UtteranceEnd", "channel": [0, 1], "last_word_end": last}
                 )
@@ -165,7 +173,10 @@ class _Nova(_Listen):
     async def control(self, body: JsonDict) -> bool:
         kind = body.get("type")
         if kind == "Finalize":
-            segment = self.tracker.cut() or Segment("", self.tracker.clock, self.tracker.clock)
+            segment = self.tracker.cut()
+            if segment is None and self.server.finalize_silent:
+                return False
+            segment = segment or Segment("", self.tracker.clock, self.tracker.clock)
             await self.ended(segment, 0.0, finalize=True)
         elif kind == "CloseStream":
             await self.close_stream()
@@ -184,6 +195,22 @@ class _Flux(_Listen):
         )
         self.turn_index = 0
         self.sequence = 0
+        self.eager_at: float | None = None
+        """Audio time of the voiced end an ``EagerEndOfTurn`` was sent for, in this turn."""
+
+    async def heard(self, audio: bytes) -> None:
+        await super().heard(audio)
+        segment = self.tracker.segment
+        limit = self.server.eager_silence
+        if segment is None or limit is None or "eager_eot_threshold" not in self.link.record.query:
+            return
+        words = segment.words_by(self.tracker.clock, self.server.script.word_seconds)
+        if self.eager_at is None and self.tracker.clock - segment.voiced_end >= limit:
+            self.eager_at = segment.voiced_end
+            await self.turn_info("EagerEndOfTurn", segment, words, 0.6)
+        elif self.eager_at is not None and segment.voiced_end > self.eager_at:
+            self.eager_at = None  # the caller went on after the eager end
+            await self.turn_info("TurnResumed", segment, words, 0.2)
 
     async def turn_info(self, event: str, segment: Segment, words: list[Word], eot: float) -> None:
         self.sequence += 1
@@ -208,7 +235,8 @@ class _Flux(_Listen):
 
     async def ended(self, segment: Segment, delay: float) -> None:
         words = segment.all_words()
-        if "eager_eot_threshold" in self.link.record.query and words:
+        eager_sent, self.eager_at = self.eager_at is not None, None
+        if "eager_eot_threshold" in self.link.record.query and words and not eager_sent:
             eager = self.server.eager_delay - (self.server.script.final_delay - delay)
 
             async def eager_end() -> None:

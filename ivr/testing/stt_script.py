@@ -34,6 +34,9 @@ class SttScript:
     """Silence (audio seconds) that ends a stretch of speech."""
     threshold: int = 300
     """PCM16 RMS level above which a 20 ms frame is speech."""
+    word_tail: float = 0.0
+    """Voiced seconds after the last final word's end (a breath, a trailing consonant): a
+    provider's word timings end before the sound a VAD hears."""
 
     def next_text(self) -> str:
         if isinstance(self.utterances, list):
@@ -65,9 +68,9 @@ class Segment:
         spoken = min(len(names) - 1, int((now - self.start) / word_seconds))
         return self.timed(names, max(0, spoken), self.start + len(names) * word_seconds)
 
-    def all_words(self) -> list[Word]:
+    def all_words(self, tail: float = 0.0) -> list[Word]:
         names = self.text.split()
-        return self.timed(names, len(names), self.voiced_end)
+        return self.timed(names, len(names), max(self.start, self.voiced_end - tail))
 
     def timed(self, names: list[str], count: int, end: float) -> list[Word]:
         step = (end - self.start) / max(1, len(names))

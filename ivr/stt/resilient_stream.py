@@ -219,11 +219,15 @@ class BatchSttSession:
             while self._asks:
                 last = self._asks.pop(0)
                 audio, self._audio = bytes(self._audio), bytearray()
-                pcm = resample(ulaw_to_pcm16(audio), 8000, self._stt.sample_rate)
-                text = (await self._stt.transcribe(pcm)).text if audio else ""
+                # At the end of input (the call is over) nobody waits for words: no upload.
+                text = "" if last or not audio else await self._transcribe(audio)
                 yield FinalWords(text, audio_end=self._pushed, flushed=True)
                 if last:
                     return
+
+    async def _transcribe(self, ulaw: bytes) -> str:
+        pcm = resample(ulaw_to_pcm16(ulaw), 8000, self._stt.sample_rate)
+        return (await self._stt.transcribe(pcm)).text
 
     async def aclose(self) -> None:
         self._audio.clear()

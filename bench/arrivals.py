@@ -31,8 +31,10 @@ import yaml
 from capacity_callers import TalkingStream, TalkLoad
 from gateway_harness import API_KEY, GatewayProcess, free_port, pct
 
+from ivr.testing.cartesia_server import FakeCartesiaServer
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.testing.openai_wire import ChatScript, Fault, RecordedRequest, echo_script
+from ivr.testing.tts_script import TtsScript
 
 LINES = (
     "Do you have parking near the shop for my car",
@@ -57,6 +59,9 @@ class ProviderProfile:
     tts_chunk_ms: float = 40
     reply: str | None = REPLY
     """What the LLM answers; None: ``You said: <the caller's words>.`` (the old load's)."""
+    tts: str = "openai"
+    """``openai``: 24 kHz PCM16 from ``/v1/audio/speech``; ``cartesia``: 8 kHz mu-law from a
+    local Cartesia TTS WebSocket (same first audio, speed and chunks)."""
 
     def describe(self) -> str:
         return (
@@ -64,6 +69,7 @@ class ProviderProfile:
                 f"STT {self.stt_ms:.0f} ms, LLM {self.llm_first_ms:.0f} ms + "
                 f"{self.llm_tokens_per_s:.0f} tok/s, TTS {self.tts_first_ms:.0f} ms + "
                 f"{self.tts_speed:g}x in {self.tts_chunk_ms:.0f} ms chunks"
+                + (" of 8 kHz mu-law (Cartesia WebSocket)" if self.tts == "cartesia" else "")
             )
             .replace(" + 0 tok/s", "")
             .replace(" + 0x in", ", all at once in")
@@ -99,6 +105,24 @@ def profiled_server(profile: ProviderProfile, port: int = 0) -> FakeOpenAIServer
     return server
 
 
+CARTESIA_SECONDS_PER_CHAR = 0.068
+"""The Cartesia stand-in's words at this pace make ``REPLY`` 11.0 s long, as the batch fake's
+speech of it is: both voices give the caller the same audio to play."""
+
+
+def cartesia_server(profile: ProviderProfile, port: int = 0) -> FakeCartesiaServer:
+    """The Cartesia stand-in timed as ``profile`` says: first audio ``tts_first_ms`` after the
+    reply's first text, then ``tts_speed`` x real time in ``tts_chunk_ms`` chunks."""
+    server = FakeCartesiaServer(api_key=API_KEY, port=port)
+    server.script = TtsScript(
+        first_audio=profile.tts_first_ms / 1000,
+        speed=profile.tts_speed,
+        chunk_seconds=profile.tts_chunk_ms / 1000,
+        seconds_per_char=CARTESIA_SECONDS_PER_CHAR,
+    )
+    return server
+
+
 def max_in_flight(requests: list[RecordedRequest], endpoint: str) -> int:
     """Most requests to ``endpoint`` the server was answering at one moment."""
     edges: list[tuple[float, int]] = []
@@ -117,10 +141,16 @@ def max_in_flight(requests: list[RecordedRequest], endpoint: str) -> int:
 # -- the providers' process ---------------------------------------------------------------------
 
 
-def _serve(port: int, profile: ProviderProfile, stats: Path) -> None:
+def _serve(ports: tuple[int, int], profile: ProviderProfile, stats: Path) -> None:
     """Serve until SIGTERM; on SIGUSR1 write the requests' in-flight peaks to ``stats`` and
-    forget them (one level's worth at a time)."""
-    with profiled_server(profile, port) as server:
+    forget them (one level's worth at a time). The Cartesia stand-in (on ``ports[1]``) runs
+    only when the profile's voice is Cartesia's."""
+    voice = cartesia_server(profile, ports[1]) if profile.tts == "cartesia" else None
+    with contextlib.ExitStack() as stack:
+        if voice is not None:  # up before the HTTP server that wait_ready polls
+            voice.start()
+            stack.callback(voice.stop)
+        server = stack.enter_context(profiled_server(profile, ports[0]))
         while True:
             sig = signal.sigwait({signal.SIGTERM, signal.SIGUSR1})
             if sig == signal.SIGTERM:
@@ -135,10 +165,12 @@ class ProvidersProcess:
     """``profiled_server`` in a process of its own, pinned to ``cpus``."""
 
     def __init__(self, profile: ProviderProfile, cpus: str | None, workdir: Path) -> None:
-        self.port = free_port()
+        self.port, self.ws_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.cartesia_url = f"ws://127.0.0.1:{self.ws_port}"
+        """The Cartesia stand-in, when ``profile.tts`` is ``cartesia``."""
         self._stats = workdir / f"providers-{self.port}.json"
-        args = json.dumps([self.port, asdict(profile)])
+        args = json.dumps([[self.port, self.ws_port], asdict(profile)])
         cmd = [sys.executable, __file__, "serve", args, str(self._stats)]
         if cpus is not None:
             cmd = ["taskset", "-c", cpus, *cmd]
@@ -256,5 +288,5 @@ __all__ = [
 if __name__ == "__main__":  # ProvidersProcess runs this
     if sys.argv[1:2] == ["serve"]:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
-        port, fields = json.loads(sys.argv[2])
-        _serve(port, ProviderProfile(**fields), Path(sys.argv[3]))
+        ports, fields = json.loads(sys.argv[2])
+        _serve(tuple(ports), ProviderProfile(**fields), Path(sys.argv[3]))

@@ -18,15 +18,20 @@ reply's first audio *played* on Twilio's playout clock) and its change against 1
 same load, errors (lines never answered, calls that failed), the most requests the providers saw
 in flight at once (STT / LLM / TTS), the gateway's CPU per turn beyond listening (talking-phase
 CPU less what the same calls cost listening, per turn), listening CPU-s per call-minute (the
-same number of calls sending line noise first), the gateway's share of its cores and event-loop
-lag p95. Then the knee: the first level whose p95 is more than 50 ms over 1 call's, or that has
-errors.
+same number of calls sending line noise first), talking CPU-s per call-minute (all of it), the
+gateway's share of its cores and event-loop lag p95. Then the knee: the first level whose p95 is
+more than 50 ms over 1 call's, or that has errors.
 
     .venv/bin/python bench/capacity.py                                  # the sweep (~12 min)
     .venv/bin/python bench/capacity.py --levels 1,100 --classic ''      # the issue's row
     .venv/bin/python bench/capacity.py --env IVR_SPECULATE_AFTER_MS=0   # any gateway setting
     .venv/bin/python bench/capacity.py --workers 2 --gateway-cpus 0,1 --caller-cpus 0,1
     .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 20
+    .venv/bin/python bench/capacity.py --levels 50,100 --classic '' --tts cartesia
+
+``--tts cartesia``: the voice is a local Cartesia TTS WebSocket (in the providers' process, the
+same timings, 8 kHz mu-law, so the gateway neither resamples nor encodes); the TTS in-flight
+column then stays 0 (the socket is not counted).
 
 ``IVR_BENCH_DIR=/some/dir`` keeps the gateway logs and py-spy stacks. The load average is
 printed with the table: the machine is shared, compare runs only at similar load.
@@ -44,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,7 @@ from arrivals import (
 )
 from capacity_callers import TalkLoad, render_lines
 from gateway_harness import (
+    API_KEY,
     ROOT,
     CpuSampler,
     GatewayProcess,
@@ -104,6 +110,8 @@ class Row:
     """Beyond listening, per call (its turns included): with ``--turns 0``, a call's own."""
     """Gateway CPU in the talking phase, less listening at the measured rate, per turn."""
     listen_cpu_per_call_min: float = float("nan")
+    talk_cpu_per_call_min: float = float("nan")
+    """Gateway CPU-s per call-minute over the talking phase (listening, turns and replies)."""
     cpu_percent: float = float("nan")
     loop_lag_p95_ms: float = float("nan")
     caller_lag_p95_ms: float = float("nan")
@@ -138,11 +146,24 @@ def level_gateway(
         "IVR_REDIS_URL": args.redis,
         "IVR_REDIS_PREFIX": redis_prefix(name, 0, args.workers),
         "IVR_CALL_TTL_SECONDS": "600",
+        **voice_env(args.tts, prov),
         **dict(kv.split("=", 1) for kv in args.env),
     }
     options: dict[str, Any] = {"cpus": args.gateway_cpus, "workers": args.workers, "env": env}
     with gateway(prov.url, args.vad, args.log_level, workdir, name=name, **options) as gw:
         yield gw
+
+
+def voice_env(tts: str, prov: ProvidersProcess) -> dict[str, str]:
+    """The gateway's voice: the batch fake's (the harness's default) or Cartesia's stand-in."""
+    if tts != "cartesia":
+        return {}
+    return {
+        "IVR_TTS_PROVIDER": "cartesia",
+        "IVR_CARTESIA_API_KEY": API_KEY,
+        "IVR_CARTESIA_VOICE": "bench-voice",
+        "IVR_CARTESIA_URL": prov.cartesia_url,
+    }
 
 
 def classic_flows(workdir: Path) -> Path:
@@ -226,6 +247,7 @@ async def talk(
     row.cpu_ms_per_turn = (
         round(1000 * (busy - listening) / row.turns, 1) if row.turns else row.cpu_ms_per_turn
     )
+    row.talk_cpu_per_call_min = round(busy / call_min, 3) if call_min else float("nan")
     row.cpu_percent = round(100 * busy / (t1 - t0) / len(cpus(args.gateway_cpus)), 1)
     row.loop_lag_p95_ms = round(1000 * lag.get("p95", float("nan")), 1)
     row.caller_lag_p95_ms = round(1000 * pct(load.tick_lag, 0.95), 1)
@@ -281,13 +303,14 @@ def print_table(rows: list[Row], title: str) -> None:
     print(f"\n{title}")
     head = (
         f"{'load':<9} {'calls':>5} {'turns':>5} {'turn/s':>6} {'p50':>6} {'p95':>6} {'d p95':>6} "
-        f"{'errors':>6} {'in flight':>10} {'CPU/turn':>8} {'listen':>6} {'CPU %':>5} "
+        f"{'errors':>6} {'in flight':>10} {'CPU/turn':>8} {'listen':>6} {'talk':>6} {'CPU %':>5} "
         f"{'lag p95':>7} {'bench':>5}"
     )
     print(head)
     print(
         f"{'':<9} {'':>5} {'':>5} {'ends':>6} {'(ms)':>6} {'(ms)':>6} {'(ms)':>6} {'':>6} "
-        f"{'STT/LLM/TTS':>10} {'(ms)':>8} {'s/c-min':>6} {'':>5} {'(ms)':>7} {'lag':>5}"
+        f"{'STT/LLM/TTS':>10} {'(ms)':>8} {'s/c-min':>6} {'s/c-min':>6} {'':>5} {'(ms)':>7} "
+        f"{'lag':>5}"
     )
     for r in rows:
         flight = "/".join(
@@ -296,7 +319,8 @@ def print_table(rows: list[Row], title: str) -> None:
         print(
             f"{r.load:<9} {r.calls:5d} {r.turns:5d} {r.turns_per_s:6.2f} {r.p50_ms:6.0f} "
             f"{r.p95_ms:6.0f} {r.d_p95_ms:+6.0f} {r.errors:6d} {flight:>10} "
-            f"{r.cpu_ms_per_turn:8.1f} {r.listen_cpu_per_call_min:6.3f} {r.cpu_percent:5.0f} "
+            f"{r.cpu_ms_per_turn:8.1f} {r.listen_cpu_per_call_min:6.3f} "
+            f"{r.talk_cpu_per_call_min:6.3f} {r.cpu_percent:5.0f} "
             f"{r.loop_lag_p95_ms:7.1f} {r.caller_lag_p95_ms:5.0f}"
         )
         for e in r.error_samples:
@@ -338,6 +362,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info", help="the gateway's (info: as in production)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the shared call store")
     p.add_argument("--noise-rms", type=float, default=16.0, help="caller line noise (PCM16 rms)")
+    p.add_argument(
+        "--tts",
+        default="openai",
+        choices=["openai", "cartesia"],
+        help="the voice: batch 24 kHz PCM (/v1/audio/speech) or Cartesia's 8 kHz mu-law socket",
+    )
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway")
     p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -359,12 +389,12 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="ivr-capacity-") as tmp:
         workdir = Path(os.environ.get("IVR_BENCH_DIR", tmp))
         os.makedirs(workdir, exist_ok=True)
-        profile = ProviderProfile()
+        profile = ProviderProfile(tts=args.tts)
         with providers(profile, args.caller_cpus, workdir) as prov:
             for calls in levels(args.levels):
                 rows.append(await run_level(args, "arrivals", calls, prov, workdir))
                 report(rows[-1])
-        with providers(CLASSIC, args.caller_cpus, workdir) as prov:
+        with providers(replace(CLASSIC, tts=args.tts), args.caller_cpus, workdir) as prov:
             for calls in levels(args.classic):
                 rows.append(await run_level(args, "old load", calls, prov, workdir))
                 report(rows[-1])
@@ -374,7 +404,7 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         rows,
         f"Capacity: gateway on CPU {args.gateway_cpus}, {args.workers} worker(s), {settings}; "
         f"arrivals every {args.interval * 1000:.0f} ms, providers {profile.describe()}; "
-        f"old load: {CLASSIC.describe()}",
+        f"old load: {replace(CLASSIC, tts=args.tts).describe()}",
     )
     print(knee(rows))
     print(f"load average: start {start_load}, end {os.getloadavg()} on {os.cpu_count()} CPUs")

@@ -44,6 +44,7 @@ from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.cartesia_server import FakeCartesiaServer
 from ivr.testing.elevenlabs_server import FakeElevenLabsServer
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer
+from ivr.testing.openai_wire import Fault
 from ivr.tts.openai_http import OpenAIHttpTts
 
 KEY = "voice-key"
@@ -51,7 +52,9 @@ KEY = "voice-key"
 
 @contextlib.asynccontextmanager
 async def batch_gateway(fake: FakeOpenAIServer) -> AsyncIterator[RunningServer]:
-    """The OpenAI-compatible voice at 24 kHz, 4x real time (100 ms chunks every 25 ms)."""
+    """The OpenAI-compatible voice at 24 kHz: first byte 120 ms after the request, as
+    Cartesia's stand-in's first audio, then 4x real time (100 ms chunks every 25 ms)."""
+    fake.faults["speech"] = Fault(delay=0.12)
     fake.speech_chunk_delay = 0.025
     base = fake.base_url
     built = build_gateway(

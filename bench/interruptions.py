@@ -5,7 +5,9 @@ and the simulated caller (``ivr.sim``) over a real WebSocket, providers the loca
 server. The bot says a ~7 s announcement (espeak, so its echo is speech), then hangs up.
 While it speaks, the caller produces one of:
 
-- ``backchannel``: "uh-huh", "okay", "yeah" or "mm-hmm" (STT transcribes the word);
+- ``backchannel``: "uh-huh", "okay", "yeah" or "mm-hmm" (STT transcribes the word), a
+  sweep over the words and their lengths: each said at ``--rates`` (espeak words per minute;
+  at 100, 140 and 190 wpm "mm-hmm" spans ~1.0, 0.70 and 0.52 s, "yeah" ~0.62, 0.44, 0.32 s);
 - ``noise``: a cough, a door slam or a burst of line static (STT hears nothing);
 - ``echo``: nothing of its own, but the line carries the bot back 20 dB down, 100 ms late
   (STT, if asked, hears the bot's words);
@@ -23,15 +25,17 @@ sentence to any request.
 Per kind it prints: **false %** (the announcement was abandoned: the caller did not hear all
 of it), **paused %** (a ``clear`` was sent, the announcement resumed), and for real ones
 **missed %** (no ``clear``) and the ``clear`` latency from the caller's speech onset (the first
-frame of the clip leaving the caller; +-10 ms) p50/p95. For paused trials, **gap** p50/max: the
-silence the pause put into the announcement (the bot's audio span minus its audio, less the
-same for the announcement heard uninterrupted). For ``habit``: how often the first and the
+frame of the clip leaving the caller; +-10 ms) p50/p95. For paused trials, **gap** p50/p95/max:
+the silence the pause put into the announcement (the bot's audio span minus its audio, less the
+same for the announcement heard uninterrupted); the team's bound for a first backchannel is
+0.7 s. Backchannels are also printed per word and length. For ``habit``: how often the first and the
 second backchannel paused the bot, and the sentence's ``clear`` latency from its onset. STT
 answers after ``--stt-ms`` (the issue's 150 ms).
 
     .venv/bin/python bench/interruptions.py                      # 20 trials per kind, 4 lanes
     .venv/bin/python bench/interruptions.py --trials 50 --lanes 5 --vad silero --json
     .venv/bin/python bench/interruptions.py --kinds backchannel --trials 12
+    .venv/bin/python bench/interruptions.py --kinds backchannel,real --trials 24 --stt-ms 300
     .venv/bin/python bench/interruptions.py --kinds backchannel,real --min-speech-ms 900
     .venv/bin/python bench/interruptions.py --kinds habit --backchannel-hold-ms 0  # habit off
 
@@ -85,6 +89,8 @@ ANNOUNCEMENT = (
     "You can also reach us online at any time of day."
 )
 BACKCHANNELS = {"uh-huh": "Uh-huh.", "okay": "Okay.", "yeah": "Yeah.", "mm-hmm": "Mm-hmm."}
+RATES = (100, 140, 190)
+"""espeak words per minute for the backchannel sweep: long, as the sim speaks, short."""
 REAL = [
     "Sorry, can I talk to someone about my bill?",
     "Wait, I need to change my address.",
@@ -158,12 +164,21 @@ def speak_24k(text: str) -> bytes:
     return bytes(soxr.resample(x, rate, 24000).astype("<i2").tobytes())
 
 
-def write_wav(path: Path, pcm16: bytes) -> None:
+def write_wav(path: Path, pcm16: bytes, rate: int = 8000) -> None:
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(8000)
+        w.setframerate(rate)
         w.writeframes(pcm16)
+
+
+def spoken_wav(workdir: Path, word: str, rate_wpm: int) -> Path:
+    """``word`` said at ``rate_wpm`` by the caller's voice (espeak), as a WAV."""
+    path = workdir / f"{word}-{rate_wpm}.wav"
+    if not path.exists():
+        pcm, rate = synthesize_pcm16(BACKCHANNELS[word], rate_wpm=rate_wpm)
+        write_wav(path, pcm, rate)
+    return path
 
 
 @asynccontextmanager
@@ -188,15 +203,18 @@ async def lane_gateway(
             yield server, fake
 
 
-def plan(trials: int, seed: int, workdir: Path) -> list[tuple[Trial, dict[str, Any], str]]:
+def plan(
+    trials: int, seed: int, workdir: Path, rates: tuple[int, ...] = RATES
+) -> list[tuple[Trial, dict[str, Any], str]]:
     """(trial, caller script step or None, what STT returns) for every trial."""
     rng = random.Random(seed)
     out: list[tuple[Trial, dict[str, Any], str]] = []
     for i in range(trials):
         after = round(rng.uniform(0.6, 4.5), 2)
         word = list(BACKCHANNELS)[i % len(BACKCHANNELS)]
-        step = {"barge_in": {"say": word, "after": after}}
-        out.append((Trial("backchannel", word, after), step, BACKCHANNELS[word]))
+        rate = rates[(i // len(BACKCHANNELS)) % len(rates)]
+        step = {"barge_in": {"wav": str(spoken_wav(workdir, word, rate)), "after": after}}
+        out.append((Trial("backchannel", f"{word} {rate}", after), step, BACKCHANNELS[word]))
         kind = NOISE_KINDS[i % len(NOISE_KINDS)]
         wav = workdir / f"{kind}-{i}.wav"
         write_wav(wav, noise_burst(kind, seed=seed * 1000 + i))
@@ -278,7 +296,10 @@ async def run(args: argparse.Namespace) -> list[Trial]:
         (flows / "bench.yaml").write_text(flow_yaml(args.min_speech_ms, args.backchannel_hold_ms))
         (flows / "routes.yaml").write_text("default: bench\n")
         kinds = args.kinds.split(",")
-        todo = [item for item in plan(args.trials, args.seed, workdir) if item[0].kind in kinds]
+        rates = tuple(int(r) for r in args.rates.split(","))
+        todo = [
+            item for item in plan(args.trials, args.seed, workdir, rates) if item[0].kind in kinds
+        ]
         queue: asyncio.Queue[tuple[Trial, dict[str, Any], str]] = asyncio.Queue()
         for item in todo:
             queue.put_nowait(item)
@@ -323,16 +344,58 @@ def summarise(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, 
                 1000 * lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None
             )
             row["clear_max_ms"] = 1000 * lat[-1] if lat else None
+            row["reclears"] = sum(t.clears > 1 for t in mine)
         if kind in ("backchannel", "noise", "echo"):
             row["false_pct"] = 100 * abandoned / n
             row["paused_pct"] = 100 * paused / n
-            gaps = sorted(
-                t.silent_s - silent_s for t in mine if t.clears > 0 and t.heard_s >= full_s - 0.3
-            )
-            row["gap_p50_ms"] = 1000 * statistics.median(gaps) if gaps else None
-            row["gap_max_ms"] = 1000 * gaps[-1] if gaps else None
+            row.update(gap_stats(mine, full_s, silent_s))
         out[kind] = row
     return out
+
+
+def gap_stats(trials: list[Trial], full_s: float, silent_s: float) -> dict[str, float | None]:
+    """The silence the pauses put into the announcement, over the paused trials: p50/p95/max."""
+    gaps = sorted(
+        1000 * (t.silent_s - silent_s) for t in trials if t.clears > 0 and t.heard_s >= full_s - 0.3
+    )
+    if not gaps:
+        return {"gap_p50_ms": None, "gap_p95_ms": None, "gap_max_ms": None}
+    p95 = gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))]
+    return {"gap_p50_ms": statistics.median(gaps), "gap_p95_ms": p95, "gap_max_ms": gaps[-1]}
+
+
+def print_backchannel_cells(trials: list[Trial], full_s: float, silent_s: float) -> None:
+    """The backchannel sweep per word and length (espeak words per minute)."""
+    mine = [t for t in trials if t.kind == "backchannel" and not t.error]
+    cells = sorted({t.detail for t in mine}, key=lambda d: (int(d.split()[1]), d))
+    if not cells:
+        return
+    print(f"\nbackchannels per word and length  {'n':>3} {'paused':>7} {'clears':>7} "
+          f"{'gap p50':>8} {'p95':>5} {'max':>5}")  # fmt: skip
+    for cell in cells:
+        these = [t for t in mine if t.detail == cell]
+        word, rate = cell.split()
+        gaps = gap_stats(these, full_s, silent_s)
+        paused = sum(t.clears > 0 for t in these)
+        clears = sum(t.clears for t in these)
+        print(
+            f"  {word:8} {rate:>4} wpm ({cue_span_ms(word, int(rate)):4.0f} ms) {len(these):>5} "
+            f"{paused:>7} {clears:>7} "
+            + " ".join(
+                f"{'-':>{w}}" if gaps[k] is None else f"{gaps[k]:>{w}.0f}"
+                for k, w in (("gap_p50_ms", 8), ("gap_p95_ms", 5), ("gap_max_ms", 5))
+            )
+        )
+
+
+def cue_span_ms(word: str, rate_wpm: int) -> float:
+    """How long the word's voice lasts (20 ms frames over -50 dBFS, first to last)."""
+    pcm, rate = synthesize_pcm16(BACKCHANNELS[word], rate_wpm=rate_wpm)
+    x = np.frombuffer(pcm, dtype="<i2").astype(np.float64)
+    frame = rate // 50
+    rms = np.sqrt((x[: x.size // frame * frame].reshape(-1, frame) ** 2).mean(axis=1))
+    loud = np.flatnonzero(rms > 32768 * 10 ** (-50 / 20))
+    return 20.0 * (loud[-1] - loud[0] + 1) if loud.size else 0.0
 
 
 def print_habit(row: dict[str, Any]) -> None:
@@ -354,8 +417,8 @@ def print_habit(row: dict[str, Any]) -> None:
 def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> None:
     print(f"\n{label}  (announcement {full_s:.2f} s)")
     print(f"{'kind':<12} {'n':>4} {'false %':>8} {'paused %':>9} {'missed %':>9} "
-          f"{'clear p50':>10} {'clear p95':>10} {'max':>6} {'gap p50':>8} {'max':>6} "
-          f"{'err':>4}")  # fmt: skip
+          f"{'clear p50':>10} {'clear p95':>10} {'max':>6} {'gap p50':>8} {'p95':>6} "
+          f"{'max':>6} {'err':>4}")  # fmt: skip
 
     def cell(v: Any, w: int, unit: str = "") -> str:
         return f"{'-':>{w}}" if v is None else f"{v:>{w - len(unit)}.0f}{unit}"
@@ -367,7 +430,8 @@ def print_table(label: str, rows: dict[str, dict[str, Any]], full_s: float) -> N
             f"{kind:<12} {r['n']:>4} {cell(r.get('false_pct'), 8)} {cell(r.get('paused_pct'), 9)} "
             f"{cell(r.get('missed_pct'), 9)} {cell(r.get('clear_p50_ms'), 10, 'ms')} "
             f"{cell(r.get('clear_p95_ms'), 10, 'ms')} {cell(r.get('clear_max_ms'), 6)} "
-            f"{cell(r.get('gap_p50_ms'), 8, 'ms')} {cell(r.get('gap_max_ms'), 6)} "
+            f"{cell(r.get('gap_p50_ms'), 8, 'ms')} {cell(r.get('gap_p95_ms'), 6)} "
+            f"{cell(r.get('gap_max_ms'), 6)} "
             f"{r['errors']:>4}"
         )
 
@@ -399,6 +463,11 @@ async def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help="of: " + ",".join(KINDS))
     parser.add_argument("--stt-ms", type=int, default=150, help="fake STT delay")
     parser.add_argument(
+        "--rates",
+        default=",".join(map(str, RATES)),
+        help="backchannel lengths: espeak words per minute, one per trial in turn",
+    )
+    parser.add_argument(
         "--speculate-after-ms",
         type=int,
         default=60,
@@ -428,11 +497,18 @@ async def main() -> None:
     print_table(f"{args.label}: vad={args.vad}, {args.trials} trials per kind", rows, full_s)
     if "habit" in rows:
         print_habit(rows["habit"])
+    if "real" in rows:  # the bot went on over a real interruption, then stopped again
+        print(f"real: calls with more than one clear: {rows['real']['reclears']} of "
+              f"{rows['real']['n']}")  # fmt: skip
+    print_backchannel_cells(trials, full_s, silent_s)
     errors = [t for t in trials if t.error]
     for t in errors[:5]:
         print(f"  error in {t.kind} ({t.detail}): {t.error[:200]}")
     took = time.monotonic() - t0
-    print(f"took {took:.0f} s; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(
+        f"took {took:.0f} s; STT {args.stt_ms} ms; load average {load0:.2f} -> "
+        f"{os.getloadavg()[0]:.2f}"
+    )
     if args.verbose:
         for t in trials:
             print(f"  {t}")

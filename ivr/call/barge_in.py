@@ -46,6 +46,12 @@ or a node's raised ``min_speech_ms``), their words so far are transcribed once t
 has spanned this long: "I want..." pauses the bot then, not only when the hold runs out;
 "uh-", "yeah" hold on. Sooner, a real STT mishears more of the fragment: whisper tiny.en
 took 5 of 8 espeak backchannels for words at 200 ms, 1 at 300 (``bench/hold_probe.py``)."""
+PAUSE_BOUND_S = 0.55
+"""Longest the bot stays paused for speech that may be a backchannel (it paused the bot before
+spanning ``backchannel_span_ms``) while its words do not say it takes the floor. The team's
+bound on a first backchannel's gap is 0.7 s as the caller hears it: the resumed audio reaches
+them a few frames after ``resume``. The words so far, asked for ``HOLD_PROBE_MS`` in, usually
+resume it sooner (~0.35 s with a 150 ms STT); this is for a slow or failed STT."""
 
 
 class Floor:
@@ -78,6 +84,12 @@ class Floor:
         self._paused_speech: SpeechHandle | None = None
         """Paused for caller speech, waiting for its transcript to stand or resume."""
         self._pause_deadline: asyncio.TimerHandle | None = None
+        self._pause_bound: asyncio.TimerHandle | None = None
+        """Set while the pause may be a backchannel's: resumes it at ``PAUSE_BOUND_S``."""
+        self._sound_paused = False
+        """The current sound paused the bot (if only for a while)..."""
+        self._last_paused = False
+        """...and so did the one handed to STT last (its backchannel goes on the timeline so)."""
         self._last_over_bot = False
         self._last_ms = 0
         """How long the caller spoke in the utterance handed to STT last."""
@@ -99,12 +111,16 @@ class Floor:
     def judging(self) -> bool:
         """A sound goes on that is not judged speech yet, or has no voice heard in it yet."""
         return self.onset is not None and (
-            not self.state.caller_confirmed or self.judge.awaiting_voice
+            not self.state.caller_confirmed
+            or self.judge.awaiting_voice
+            or self._pause_bound is not None  # its words so far may end the pause
         )
 
     async def sound_started(self, onset: float) -> None:
         self.state = self.state.sound_started()
         self.onset = onset
+        self._sound_paused = False
+        self._cancel_pause_bound()  # they went on after the sound that paused the bot
         await self.judge_sound()
 
     async def judge_sound(self) -> None:
@@ -116,16 +132,17 @@ class Floor:
         if onset is None:
             return
         judge = self.judge
+        span_ms = self._endpointer.speech_span_ms
         if self.state.caller_confirmed:  # paused for a sound with no voice yet: is there one now?
             judge.watch_voice()
+            if self._pause_bound is not None and span_ms >= HOLD_PROBE_MS:
+                self._probe_paused_words(onset)
             return
         if judge.onset != onset:
             judge.start(onset)
         speech = self._speaker.current
-        if judge.bot_audible() or (speech is not None and speech.paused):
-            endpointer = self._endpointer
-            span_ms = endpointer.speech_span_ms
-            verdict = judge.judge(self.frame_end, endpointer.voiced_ms, span_ms, self.policy)
+        if judge.bot_audible() or judge.holding or (speech is not None and speech.paused):
+            verdict = judge.judge(self.frame_end, self._endpointer.voiced_ms, span_ms, self.policy)
             if verdict is Verdict.WAIT and span_ms >= HOLD_PROBE_MS:
                 self._probe_held_words(onset, span_ms)
             if self.state.caller is Caller.WORDS:  # its words so far take the floor: speech
@@ -136,14 +153,75 @@ class Floor:
             return
         else:
             judge.confirm()
+        # Paused this soon, by a sound not held before, it may be a backchannel: bounded.
+        bounded = (
+            self.state.caller is Caller.SOUND
+            and not judge.holding
+            and span_ms < self.policy.backchannel_span_ms
+        )
         self.state = self.state.speech_confirmed()
-        await self._pause(speech)
+        await self._pause(speech, bounded=bounded)
 
-    async def _pause(self, speech: SpeechHandle | None) -> None:
+    async def _pause(self, speech: SpeechHandle | None, *, bounded: bool = False) -> None:
         if speech is not None and speech.can_be_interrupted:
             self._paused_speech = speech
+            self._sound_paused = True
             self.state = self.state.paused()
+            if bounded and self._endpointer.config.pause_ms:  # its words so far can be had
+                self._cancel_pause_bound()
+                self._pause_bound = asyncio.get_running_loop().call_later(
+                    PAUSE_BOUND_S, self._pause_ran_out, speech, self.onset
+                )
             await speech.pause()
+
+    def _probe_paused_words(self, onset: float) -> None:
+        """The bot paused for a sound that may be a backchannel: its words so far, once it has
+        spanned ``HOLD_PROBE_MS``, end the pause (backchannel: the bot goes on, the rest of
+        the sound held) or make it stand (more: the utterance's words decide)."""
+        speech = self._paused_speech
+        if self._early.probing_held or speech is None:
+            return
+
+        async def verdict(text: str) -> None:
+            current = self._paused_speech is speech and self.onset == onset
+            if current and self._pause_bound is not None:
+                metrics.SPECULATION.labels("stt", "used").inc()
+                if self._only_listening(speech, text):
+                    self._hold_on(speech, text)
+                else:
+                    log.info("barge_in.held_words", pii_text=text)
+                    self._cancel_pause_bound()  # the pause stands: the whole utterance decides
+            else:
+                metrics.SPECULATION.labels("stt", "wasted").inc()
+
+        self._early.probe_held(self._endpointer.utterance_audio(), verdict)
+
+    def _pause_ran_out(self, speech: SpeechHandle, onset: float | None) -> None:
+        """``PAUSE_BOUND_S`` passed and no words said the sound takes the floor: the bot goes
+        on. Its transcript still decides: a real turn interrupts the bot (a sound still going
+        on pauses it again once past the hold), a backchannel plays through."""
+        self._pause_bound = None
+        if self._paused_speech is not speech:
+            return
+        log.info("barge_in.pause_bounded", limit_s=PAUSE_BOUND_S)
+        if self.state.caller is Caller.SPEECH and self.onset == onset:
+            self._hold_on(speech, "")
+        elif not self.state.caller_sounding:  # over; its transcript is on its way
+            self._cancel_pause_deadline()
+            self._paused_speech = None
+            self.state = self.state.resumed()
+            speech.resume()
+
+    def _hold_on(self, speech: SpeechHandle, text: str) -> None:
+        """The paused prompt goes on while the sound that paused it does; the rest of the
+        sound is held (``BargeInJudge.hold``) and its whole transcript decides, as a later
+        backchannel's would: a turn pauses the bot again, or interrupts it."""
+        self._cancel_pause_bound()
+        self._paused_speech = None
+        self.state = self.state.held_on()
+        self.judge.hold()
+        log.info("barge_in.held_on", pii_text=text)
+        speech.resume()
 
     def caller_paused(self, pcm16_8k: bytes, speech_ms: int) -> bool:
         """A pause in their sound; True if it is the floor's (a prompt is paused for it, no
@@ -166,6 +244,8 @@ class Floor:
             if backchannel:
                 self._resume(Outcome.BACKCHANNEL, text, speech_ms)
                 self.state = self.state.went_on_early()
+            elif self._paused_speech is speech and words_of(text):
+                self._cancel_pause_bound()  # more than backchannel: the pause stands
 
         self._early.judge_at_pause(pcm16_8k, verdict)
         return True
@@ -214,6 +294,7 @@ class Floor:
         self._early.cancel_held()
         self.state = self.state.sound_ended()
         self.onset = None
+        self._last_paused = self._sound_paused
         judged = self.judge.end()
         self._early.cancel_at_pause()
         if went_on:  # its words were judged at its pause: the bot went on
@@ -288,6 +369,7 @@ class Floor:
             self._paused_speech = None
             self.state = self.state.interrupted()
             self._cancel_pause_deadline()
+            self._cancel_pause_bound()
             await paused.interrupt("speech")
         elif over_bot and isinstance(item, Utterance):
             # Over before it could pause the bot (shorter than the node's min_speech_ms, say
@@ -316,12 +398,15 @@ class Floor:
         that taught it something, or paused the bot, goes on the call's timeline (the record
         carries the habit to a resumed stream, and the console shows it)."""
         self._cancel_pause_deadline()
+        self._cancel_pause_bound()
         paused, self._paused_speech = self._paused_speech, None
         self.state = self.state.resumed()
         if outcome is Outcome.BACKCHANNEL and speech_ms > 0:
             span_ms = speech_ms + self._endpointer.hangover_ms
-            if self.judge.habit.heard(span_ms) or paused is not None:
-                self._timeline.add("backchannel", span_ms=span_ms, paused=paused is not None)
+            # Its words came after the bot went on (``_hold_on``): it paused the bot all the same.
+            was_paused = paused is not None or self._last_paused
+            if self.judge.habit.heard(span_ms) or was_paused:
+                self._timeline.add("backchannel", span_ms=span_ms, paused=was_paused)
         metrics.BARGE_INS.labels("speech", outcome.value).inc()
         log.info("barge_in.swallowed", outcome=outcome.value, pii_text=text)
         if paused is not None:
@@ -331,6 +416,11 @@ class Floor:
         if self._pause_deadline is not None:
             self._pause_deadline.cancel()
             self._pause_deadline = None
+
+    def _cancel_pause_bound(self) -> None:
+        if self._pause_bound is not None:
+            self._pause_bound.cancel()
+            self._pause_bound = None
 
     # -- settings and waits -----------------------------------------------------------------
 
@@ -355,6 +445,8 @@ class Floor:
             waited += 0.02
 
     async def aclose(self) -> None:
+        self._cancel_pause_deadline()
+        self._cancel_pause_bound()
         await self._early.aclose()
 
 

@@ -14,6 +14,8 @@ what each transition calls for (pause, resume or interrupt the prompt, transcrib
     bot:     ON --paused--> PAUSED --resumed / interrupted--> ON
                                |
                                +--went_on_early--> WENT_ON --caller_went_on / sound_ended--> ON
+
+    both:    SPEECH/PAUSED --held_on--> SOUND/ON   (the first pause's bound: see ``held_on``)
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ class FloorState:
         """Their words at a pause were a backchannel: the prompt went on mid-sound."""
         self._expect("went_on_early", caller=_SOUNDING, bot=(Bot.ON,))
         return replace(self, bot=Bot.WENT_ON)
+
+    def held_on(self) -> FloorState:
+        """The sound that paused the prompt is still going on, and its words so far are only
+        backchannel (or did not come within the pause's bound): the prompt goes on, and the
+        rest of the sound is judged again, held as a known backchanneler's would be."""
+        self._expect("held_on", caller=(Caller.SPEECH,), bot=(Bot.PAUSED,))
+        return FloorState(Caller.SOUND, Bot.ON)
 
     def interrupted(self) -> FloorState:
         """Their words took the floor: the paused prompt is over."""

@@ -189,6 +189,8 @@ class JudgedUtterance:
     checked_at_frame: int = -1
     early: list[Verdict] = field(default_factory=list)
     """What the checks said before ``min_speech_ms`` (the bot does not pause for those yet)."""
+    held: bool = False
+    """It paused the bot, whose words so far were backchannel: the rest is held (``hold``)."""
 
     @property
     def taken_for_speech(self) -> bool:
@@ -269,6 +271,18 @@ class BargeInJudge:
             self._utterance.verdicts.append(Verdict.SPEECH)
             self._utterance.voiced = True
 
+    def hold(self) -> None:
+        """The utterance paused the bot, which went on over it (its words so far were only
+        backchannel): from now on it pauses the bot only once its speech spans the policy's
+        ``backchannel_span_ms``, as a known backchanneler's would."""
+        if self._utterance is not None:
+            self._utterance.held = True
+
+    @property
+    def holding(self) -> bool:
+        """The sound in progress is held (``hold``): judged over the bot until it ends."""
+        return self._utterance is not None and self._utterance.held
+
     @property
     def awaiting_voice(self) -> bool:
         """The bot paused for a sound with no voice in it yet: keep listening for one."""
@@ -314,6 +328,8 @@ class BargeInJudge:
         # length was learned in: it stops growing when they stop, so the trailing edge of
         # "mm-hmm", still in the checks' 240 ms window, does not pause the bot.
         hold_ms = self.habit.hold_ms(policy)
+        if utterance.held:
+            hold_ms = max(hold_ms, policy.backchannel_span_ms)
         early = elapsed_ms < policy.min_speech_ms or (
             hold_ms > policy.min_speech_ms and span_ms < hold_ms
         )

@@ -16,6 +16,9 @@ DEFAULT_BACKCHANNELS: tuple[str, ...] = (
 )  # fmt: skip
 """Said to show the caller is listening, not to take the floor (English)."""
 
+BACKCHANNEL_HOLD_MS = 900
+"""Longer than any "uh-huh" (espeak's "mm-hmm" spans ~0.7 s)."""
+
 _WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
 
 
@@ -37,8 +40,16 @@ class InterruptionPolicy:
     """Correlation with the bot's audio above which caller sound is taken for echo."""
     noise_hold_ms: int = 200
     """Unvoiced sound is not an interruption until it has lasted this long from its onset."""
-    backchannel_hold_ms: int = 900
+    backchannel_hold_ms: int = BACKCHANNEL_HOLD_MS
     """Most that a caller's backchannel habit may raise ``min_speech_ms`` to (0: never)."""
+
+    @property
+    def backchannel_span_ms(self) -> int:
+        """Speech that pauses the bot before it spans this may be a backchannel: the pause is
+        bounded, and once its words so far are only backchannel the rest of it is held this
+        long (``ivr.call.barge_in``). A node with no habit (``backchannel_hold_ms: 0``) still
+        holds the rest of the one sound: that is the same backchannel, not a habit."""
+        return max(self.min_speech_ms, self.backchannel_hold_ms or BACKCHANNEL_HOLD_MS)
 
     def is_real_turn(self, text: str) -> bool:
         """Enough words that are not backchannel to take the floor."""

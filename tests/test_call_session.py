@@ -27,6 +27,7 @@ from ivr.call.session import CallEnd, CallSession
 from ivr.callio.io import Digits, ListenSpec, Spoken, Utterance
 from ivr.errors import ProviderError, ProviderErrorKind
 from ivr.stt.openai_http import OpenAIHttpStt
+from ivr.testing.hold import Hold
 from ivr.testing.openai_server import FakeOpenAIServer
 from ivr.testing.openai_wire import SECONDS_PER_CHAR, Fault
 from ivr.tts.openai_http import OpenAIHttpTts
@@ -432,3 +433,15 @@ async def test_a_paused_prompt_whose_transcript_never_comes_goes_on(
         spoken = await asyncio.wait_for(saying, 10)
     assert not spoken.interrupted and spoken.text_heard == LONG_PROMPT
     assert call.line.media_after_clear() > 0, "the prompt did not resume"
+
+
+async def test_static_prompts_warm_several_at_once(fake_openai: FakeOpenAIServer) -> None:
+    """Startup synthesises the flows' prompts a few at a time (counted at the server: four
+    requests wait together), not one whole prompt after another."""
+    hold = fake_openai.holds["speech"] = Hold(4, give_up_s=1.0)
+    tts = OpenAIHttpTts(base_url=fake_openai.base_url, api_key="sk-test")
+    cache = PromptCache()
+    added = await cache.warm(tts, [f"Prompt number {i}." for i in range(6)] + ["Prompt number 0."])
+    await tts.aclose()
+    assert added == 6 and len(cache) == 6
+    assert hold.peak == 4, hold

@@ -8,6 +8,7 @@ callers may add phrases they repeat via ``put``.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -21,6 +22,9 @@ from ivr.tts.base import TextToSpeech
 from ivr.tts.voice import StreamingVoice
 
 log = structlog.get_logger("ivr.prompts")
+
+WARM_CONCURRENCY = 4
+"""Prompts synthesised at once at startup: a few requests in flight, not a burst."""
 
 
 class PromptCache:
@@ -52,19 +56,31 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._static) + len(self._dynamic)
 
-    async def warm(self, tts: TextToSpeech, texts: Iterable[str]) -> int:
-        """Synthesise every text not cached yet; returns how many were added."""
+    async def warm(
+        self, tts: TextToSpeech, texts: Iterable[str], *, concurrency: int = WARM_CONCURRENCY
+    ) -> int:
+        """Synthesise every text not cached yet, ``concurrency`` at a time; returns how many
+        were added. One at a time, a remote voice made startup wait for every prompt's whole
+        audio in turn (~27 s for the sample flows at 4x real time); the local engines queue
+        their work themselves (piper's worker thread, espeak's lock)."""
+        todo = list(dict.fromkeys(t for t in texts if (tts.voice, t) not in self._static))
+        gate = asyncio.Semaphore(max(1, concurrency))
         added = 0
-        for text in texts:
-            if (tts.voice, text) in self._static:
-                continue
-            try:
-                ulaw = await synthesise_ulaw(tts, text)
-            except ProviderError as exc:
-                log.warning("prompt.warm_failed", error=str(exc), text_len=len(text))
-                continue
+
+        async def one(text: str) -> None:
+            nonlocal added
+            async with gate:
+                try:
+                    ulaw = await synthesise_ulaw(tts, text)
+                except ProviderError as exc:
+                    log.warning("prompt.warm_failed", error=str(exc), text_len=len(text))
+                    return
             self.put(tts.voice, text, ulaw, static=True)
             added += 1
+
+        async with asyncio.TaskGroup() as group:
+            for text in todo:
+                group.create_task(one(text))
         return added
 
 

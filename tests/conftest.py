@@ -86,16 +86,19 @@ def provider_settings(**overrides: Any) -> Settings:
 
 @pytest.fixture
 def gateway_factory(fake_openai: FakeOpenAIServer) -> GatewayFactory:
-    """``async with gateway_factory(**settings) as server:`` runs a gateway on a free port."""
+    """``async with gateway_factory(**settings) as server:`` runs a gateway on a free port.
+    ``tts_first_piece_words=N``: the voice cuts a reply's first piece as piper does."""
 
     @asynccontextmanager
     async def start(**overrides: Any) -> AsyncIterator[RunningServer]:
+        tts = OpenAIHttpTts(base_url=fake_openai.base_url, api_key="sk-test")
+        tts.first_piece_words = overrides.pop("tts_first_piece_words", None)
         settings = provider_settings(**overrides)
         base = fake_openai.base_url
         gateway = build_gateway(
             settings,
             stt=OpenAIHttpStt(base_url=base, api_key="sk-test"),
-            tts=OpenAIHttpTts(base_url=base, api_key="sk-test"),
+            tts=tts,
             llm=OpenAICompatLlm(
                 base_url=base,
                 api_key="sk-test",

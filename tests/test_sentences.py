@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ivr.callio.sentences import SentenceChunker, clean_for_speech
+from ivr.callio.sentences import SentenceChunker, clean_for_speech, first_piece
 from ivr.testing.openai_server import split_tokens
 
 CASES: list[tuple[str, list[str]]] = [
@@ -136,3 +136,56 @@ def test_markdown_that_tts_would_read_out_is_removed(raw, spoken):
 def test_inconsistent_limits_are_rejected_with_the_values():
     with pytest.raises(ValueError, match="first_clause_chars <= clause_chars"):
         SentenceChunker(first_clause_chars=50, clause_chars=40)
+
+
+# -- a voice that renders a piece whole: the first piece may end after a few words ----------
+
+
+def test_the_first_piece_ends_after_its_words_and_the_rest_of_the_sentence_goes_whole():
+    chunker = SentenceChunker(first_words=4)
+    text = "The shop is located in the 42 Harbor Street, next to the ferry terminal. Bye now."
+    pieces = [p for token in split_tokens(text) for p in chunker.push(token)] + chunker.flush()
+    assert pieces == [
+        "The shop is located",
+        "in the 42 Harbor Street, next to the ferry terminal.",
+        "Bye now.",
+    ]
+
+
+def test_a_word_cut_waits_for_the_space_that_ends_the_word():
+    chunker = SentenceChunker(first_words=4)
+    assert chunker.push("The shop is locat") == []
+    assert chunker.push("ed") == []  # "located" may still go on ("locatedness")
+    assert chunker.push(" in") == ["The shop is located"]
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("Great, a mountain bike. Bring it in.", "Great, a mountain bike."),  # sentence first
+        ("Yes. We open at 9:30 on weekdays.", "Yes."),
+        ("Certainly, we are open until six tonight.", "Certainly, we are open"),
+        ("We close at 5.30 pm on Saturdays.", "We close at 5.30"),  # never inside a number
+        ("  **Sure**, I can check. One moment.", "Sure, I can check."),
+    ],
+)
+def test_a_clause_or_sentence_end_before_the_words_still_ends_the_first_piece(text, first):
+    chunker = SentenceChunker(first_words=4)
+    pieces = [p for token in split_tokens(text) for p in chunker.push(token)] + chunker.flush()
+    assert pieces[0] == first
+    assert " ".join(pieces) == clean_for_speech(text)
+
+
+def test_first_piece_is_what_a_reply_of_that_text_asks_the_voice_for_first():
+    text = "Great, a mountain bike. Bring it in any time we're open; it takes two days."
+    assert first_piece(text) == "Great, a mountain bike."
+    assert first_piece("Thanks for calling Harbor Bikes to book a repair.", first_words=4) == (
+        "Thanks for calling Harbor"
+    )
+    assert first_piece("The shop is located", first_words=4) == "The shop is located"
+    assert first_piece("  ** ") == ""
+
+
+def test_first_words_must_be_positive():
+    with pytest.raises(ValueError, match="first_words must be >= 1"):
+        SentenceChunker(first_words=0)

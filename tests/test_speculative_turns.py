@@ -8,19 +8,24 @@ OpenAI's wire formats (FakeOpenAIServer), so every request below really went ove
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_support import GatewayFactory, dial
+from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory, dial
 from prometheus_client import REGISTRY
 
 from ivr.config import CLOUD_HEARD_WITHIN
+from ivr.sim.caller import place_call
 from ivr.sim.report import CallReport
 from ivr.testing.audio import voiced_seconds
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 pytestmark = pytest.mark.slow
+
+FLOWS = Path(__file__).resolve().parent.parent / "flows"
 
 
 def speculations(stage: str, outcome: str) -> float:
@@ -393,3 +398,77 @@ async def test_a_speculative_llm_request_that_fails_after_the_turn_took_it_is_ne
     assert reply.bot_audio_seconds > 0
     assert "opening hours" in (reply.bot_text or report.format_transcript())
     assert "sorry" not in (reply.bot_text or "").lower(), report.format_transcript()
+
+
+# -- a say node's reply: its first sentence is what the pause prefetches ---------------------
+
+BIKES = "+15550100778"
+BIKES_FLOW = """\
+name: bikes
+numbers: ["+15550100778"]
+start: which
+variables: {bike: ""}
+intents:
+  mountain: {description: a mountain bike, examples: [mountain]}
+nodes:
+  which:
+    kind: ask
+    prompt: Which bike is it?
+    routes:
+      - {intent: mountain, next: is_mountain}
+    fallback: booked
+  is_mountain: {kind: set, values: {bike: mountain bike}, next: booked}
+  booked:
+    kind: say
+    text: Great, a {{ bike }}. Bring it in any time we're open; a repair takes two days.
+    next: bye
+  bye: {kind: hangup}
+"""
+
+
+async def test_a_say_reply_prefetches_its_first_sentence_and_uses_it(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    # Not a static prompt (its words are the caller's): synthesised for this call. The whole
+    # text was prefetched once: the reply asks for its first sentence, so the
+    # prefetch went unused and, on piper's one worker, made the real request wait behind it.
+    flows = tmp_path / "flows"
+    shutil.copytree(FLOWS, flows, ignore=shutil.ignore_patterns("tests"))
+    (flows / "bikes.yaml").write_text(BIKES_FLOW, encoding="utf-8")
+    fake_openai.transcripts.append("a mountain bike")
+    before = counts()
+    async with gateway_factory(flows_dir=str(flows), speculate_after_ms=100) as server:
+        report = await place_call(
+            server.base_url,
+            script=["A mountain bike."],
+            auth_token=AUTH_TOKEN,
+            public_base_url=PUBLIC_URL,
+            to=BIKES,
+        )
+    assert not report.errors and not report.violations, report.format_transcript()
+    asked = [r.json["input"] for r in fake_openai.requests_for("speech") if r.json is not None]
+    assert asked.count("Great, a mountain bike.") == 1, asked
+    assert not any(text.startswith("Great, a mountain bike. Bring") for text in asked), asked
+    counted = delta(before)
+    assert counted.get("tts.used") == 1, counted
+    assert not any(k.endswith((".wasted", ".failed")) for k in counted), counted
+    assert report.turns[-1].bot_audio_seconds > 0
+
+
+async def test_a_voice_that_renders_pieces_whole_gets_the_first_words_first_prefetched(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # piper's rule (first_piece_words = 4): the reply's first TTS request is its first four
+    # words, and the pause's prefetch cut the LLM's reply the same way, so it was used.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    before = counts()
+    async with gateway_factory(speculate_after_ms=100, tts_first_piece_words=4) as server:
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    asked = [r.json["input"] for r in fake_openai.requests_for("speech") if r.json is not None]
+    reply = asked[asked.index("You said what are") :]
+    assert reply[:3] == ["You said what are", "your opening hours.", "Anything else?"], asked
+    counted = delta(before)
+    assert counted.get("tts.used") == 1 and counted.get("llm.used") == 1, counted
+    assert not any(k.endswith((".wasted", ".failed")) for k in counted), counted

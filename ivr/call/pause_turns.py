@@ -21,6 +21,7 @@ from ivr.call.speaking import Speaker
 from ivr.call.speech import HEARD_MARGIN
 from ivr.call.turn_end import Completeness, TurnModel, judge_words, silence_needed_ms
 from ivr.callio.io import ListenSpec
+from ivr.callio.sentences import SentenceChunker
 from ivr.callio.speculation import TentativeListener
 from ivr.callio.turn_policy import TurnPolicy
 from ivr.errors import ProviderError
@@ -175,6 +176,17 @@ class TurnSpeculation:
         silence = silence_needed_ms(policy, p_audio, "unknown")
         self._endpointer.set_silence_ms(silence)
         log.debug("turn.judged", text="unknown", p_audio=p_audio, silence_ms=silence)
+
+    # -- the flow's side (``Capabilities.speculation``) -----------------------------------
+
+    def on_tentative_input(self, listener: TentativeListener | None) -> None:
+        self.listener = listener
+
+    def prefetch_speech(self, text: str) -> None:
+        self._speaker.prefetch_speech(text)
+
+    def reply_chunker(self) -> SentenceChunker:
+        return self._speaker.reply_chunker()
 
     def drop(self) -> None:
         """The caller went on talking: what was started on their pause is stale."""

@@ -22,10 +22,19 @@ log = structlog.get_logger("ivr.call")
 class ReplyText:
     """``pieces()`` once; ``failed`` afterwards says whether the LLM gave up (counted, logged)."""
 
-    def __init__(self, timing: ReplyTiming, stats: CallStats, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        timing: ReplyTiming,
+        stats: CallStats,
+        clock: Callable[[], float],
+        *,
+        first_words: int | None = None,
+    ) -> None:
+        """``first_words``: the voice's ``first_piece_words`` (see ``SentenceChunker``)."""
         self._timing = timing
         self._stats = stats
         self._clock = clock
+        self._first_words = first_words
         self.failed = False
 
     async def pieces(
@@ -33,7 +42,7 @@ class ReplyText:
     ) -> AsyncGenerator[str, None]:
         """The speakable pieces of ``chunks``; an LLM failure ends them (``failed``). Closing
         this iteration closes ``chunks`` (the LLM's HTTP stream, on a barge-in too)."""
-        chunker = SentenceChunker()
+        chunker = SentenceChunker(first_words=self._first_words)
         try:
             if turn is not None:
                 turn.llm_start = self._clock()

@@ -35,7 +35,6 @@ from ivr.call.turn_end import TurnModel
 from ivr.call.turns import CallStats
 from ivr.callio.interruption_policy import InterruptionPolicy
 from ivr.callio.io import CallerInput, Capabilities, Digits, HungUp, ListenSpec, NoInput, Spoken
-from ivr.callio.speculation import TentativeListener
 from ivr.callio.timeline import CallTimeline
 from ivr.callio.turn_policy import DEFAULT_POLICIES
 from ivr.control.transfers import WarmTransfer
@@ -121,8 +120,8 @@ class CallSession:
             live=_live_hearing(self, streaming_stt, words, endpointer, heard_within),
         )
         self._endpointer = endpointer
-        # interruptions, speculation, timeline, turn log, caller audio: all of them
-        self.capabilities = Capabilities(self, self, self.timeline, self, self)
+        # interruptions, speculation (the pauses' own), timeline, turn log, caller audio
+        self.capabilities = Capabilities(self, self._speculation, self.timeline, self, self)
 
     @property
     def stats(self) -> CallStats:
@@ -161,14 +160,6 @@ class CallSession:
         await self._hearing.aclose()
         await self._floor.aclose()
         await self._speaker.aclose()
-
-    # -- speculative turns (``Capabilities.speculation``) -------------------------------------
-
-    def on_tentative_input(self, listener: TentativeListener | None) -> None:
-        self._speculation.listener = listener
-
-    def prefetch_speech(self, text: str) -> None:
-        self._speaker.prefetch_speech(text)
 
     # -- barge-in -------------------------------------------------------------------------
 

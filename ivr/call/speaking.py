@@ -16,6 +16,7 @@ from ivr.call.speculation import SpeculativeSpeech
 from ivr.call.speech import SpeechHandle
 from ivr.call.turns import CallStats, TurnTimings
 from ivr.callio.io import Spoken
+from ivr.callio.sentences import SentenceChunker, first_piece
 from ivr.tts.base import TextToSpeech
 from ivr.tts.voice import StreamingVoice
 
@@ -52,8 +53,17 @@ class Speaker:
         return self._prompts.get(self.prefetch.voice, text)
 
     def prefetch_speech(self, text: str) -> None:
-        if self._voice is None and self.cached(text) is None:  # cached prompts need no TTS
-            self.prefetch.prefetch(text)
+        """The first TTS request a reply of ``text`` will make, started now. A say node's
+        whole text was prefetched here once: its live reply asked for the first sentence
+        only, so the prefetch went unused and held piper's one worker in front of it."""
+        if self._voice is not None or self.cached(text) is not None:  # cached: no TTS
+            return
+        piece = first_piece(text, first_words=self.prefetch.first_piece_words)
+        if piece and self.cached(piece) is None:
+            self.prefetch.prefetch(piece)
+
+    def reply_chunker(self) -> SentenceChunker:
+        return SentenceChunker(first_words=self.prefetch.first_piece_words)
 
     def new_speech(self, interruptible: bool) -> SpeechHandle:
         turn, self.answering = self.answering, None

@@ -33,6 +33,7 @@ class SpeculativeSpeech:
         self.name = inner.name
         self.sample_rate = inner.sample_rate
         self.voice = inner.voice
+        self.first_piece_words = inner.first_piece_words
         self._prefetched: dict[str, Prefetch[bytes]] = {}
 
     def prefetch(self, text: str) -> None:

@@ -270,7 +270,9 @@ class SpeechHandle:
         sentences: asyncio.Queue[str | None],
         turn: TurnTimings | None,
     ) -> None:
-        text = ReplyText(self._timing, self._stats, self._clock)
+        text = ReplyText(
+            self._timing, self._stats, self._clock, first_words=self._tts.first_piece_words
+        )
         said_anything = False
         async with contextlib.aclosing(text.pieces(chunks, turn)) as pieces:
             async for piece in pieces:

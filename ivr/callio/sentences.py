@@ -2,11 +2,13 @@
 
 A piece ends at a sentence end (``.`` ``!`` ``?`` then whitespace) or a line break. To lower
 time-to-first-audio, the *first* piece may end at a clause (``,`` ``;`` ``:`` then whitespace)
-once it is ``first_clause_chars`` long; later pieces split at clauses only once a sentence runs
-past ``clause_chars``. A boundary is decided only when the character after it has arrived, so
-``3.5``, ``$123.45``, ``1,000`` and ``9:30`` are never split however the deltas fall. Abbreviations
-(``Mr.``, ``e.g.``, ``U.S.``, initials) and ellipses do not end a sentence. Markdown that TTS
-would read out (``*``, ``#`` headings, backticks, bullets, links) is removed from each piece.
+once it is ``first_clause_chars`` long, or (``first_words``, for a voice that renders a piece
+whole before any of it plays) after that many words; later pieces split at clauses only once a
+sentence runs past ``clause_chars``. A boundary is decided only when the character after it has
+arrived, so ``3.5``, ``$123.45``, ``1,000`` and ``9:30`` are never split however the deltas
+fall. Abbreviations (``Mr.``, ``e.g.``, ``U.S.``, initials) and ellipses do not end a sentence.
+Markdown that TTS would read out (``*``, ``#`` headings, backticks, bullets, links) is removed
+from each piece.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def clean_for_speech(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
+def first_piece(text: str, *, first_words: int | None = None) -> str:
+    """The first piece a reply of exactly ``text`` is cut into ("" when nothing in it is
+    speakable): what its first TTS request will ask for."""
+    chunker = SentenceChunker(first_words=first_words)
+    pieces = chunker.push(text) or chunker.flush()
+    return pieces[0] if pieces else ""
+
+
 def _speakable(piece: str) -> bool:
     return any(ch.isalnum() for ch in piece)
 
@@ -48,17 +58,34 @@ class SentenceChunker:
     Not thread-safe; one per reply (``flush`` resets it for the next).
     """
 
-    __slots__ = ("_buf", "_emitted", "clause_chars", "first_clause_chars", "max_chars")
+    __slots__ = (
+        "_buf",
+        "_emitted",
+        "clause_chars",
+        "first_clause_chars",
+        "first_words",
+        "max_chars",
+    )
 
     def __init__(
-        self, *, first_clause_chars: int = 24, clause_chars: int = 120, max_chars: int = 300
+        self,
+        *,
+        first_clause_chars: int = 24,
+        clause_chars: int = 120,
+        max_chars: int = 300,
+        first_words: int | None = None,
     ) -> None:
         if not 0 < first_clause_chars <= clause_chars < max_chars:
             raise ValueError(
                 "need 0 < first_clause_chars <= clause_chars < max_chars, got "
                 f"{first_clause_chars}, {clause_chars}, {max_chars}"
             )
+        if first_words is not None and first_words < 1:
+            raise ValueError(f"first_words must be >= 1 or None, got {first_words}")
         self.first_clause_chars = first_clause_chars
+        self.first_words = first_words
+        """The first piece may end after this many words when no clause or sentence ended
+        sooner: a voice that renders a piece whole starts its audio after that piece only."""
         self.clause_chars = clause_chars
         self.max_chars = max_chars
         """A run-on text with no boundary is cut at the last space before this many chars."""
@@ -93,10 +120,16 @@ class SentenceChunker:
 
     def _find_boundary(self) -> int | None:
         buf = self._buf
-        clause_min = self.first_clause_chars if self._emitted == 0 else self.clause_chars
+        first = self._emitted == 0
+        clause_min = self.first_clause_chars if first else self.clause_chars
+        words_left = self.first_words if first else None
         i = 0
         while i < len(buf):
             ch = buf[i]
+            if words_left is not None and ch.isspace() and i and not buf[i - 1].isspace():
+                words_left -= 1  # a word just ended
+                if not words_left:
+                    return i + 1
             if ch == "\n":
                 if buf[:i].strip():
                     return i + 1

@@ -2,13 +2,16 @@
 
 The call transcribes the caller's audio as soon as they pause and hands the tentative
 transcript to the ``TentativeListener`` the flow registered (it may prefetch its reply); the
-flow may ask the call to synthesise the first sentence of that reply ahead (``prefetch_speech``).
+flow may ask the call to synthesise the first piece of that reply ahead (``prefetch_speech``),
+cut as the call's voice will cut it (``reply_chunker``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
+
+from ivr.callio.sentences import SentenceChunker
 
 TentativeListener = Callable[[str | None], None]
 """Called with a tentative transcript while the caller pauses, and with None when that
@@ -23,5 +26,10 @@ class Speculation(Protocol):
         ...
 
     def prefetch_speech(self, text: str) -> None:
-        """Start synthesising ``text`` now, for a reply that may soon say it."""
+        """Start synthesising what a reply of ``text`` (a say node's text, an LLM reply's
+        first piece) will ask the voice for first, for a reply that may soon say it."""
+        ...
+
+    def reply_chunker(self) -> SentenceChunker:
+        """A chunker that cuts a reply into pieces exactly as this call's voice will."""
         ...

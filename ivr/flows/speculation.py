@@ -20,7 +20,6 @@ from typing import Any
 import structlog
 
 from ivr.callio.prefetch import Prefetch
-from ivr.callio.sentences import SentenceChunker
 from ivr.callio.speculation import Speculation
 from ivr.flows.classifier import classifier_request
 from ivr.flows.engine import step
@@ -163,7 +162,7 @@ class TurnSpeculator:
     async def _voice_first_sentence(self, prefetch: Prefetch[LlmEvent]) -> None:
         """Have the call synthesise the reply's first sentence as soon as it is complete, cut
         exactly as the reply will cut it (the same chunker over the same deltas)."""
-        chunker = SentenceChunker()
+        chunker = self._io.reply_chunker()
         seen = 0
         while True:
             items = prefetch.items_so_far()

@@ -24,6 +24,11 @@ class TextToSpeech(Protocol):
     voice: str
     """Voice id, part of the prompt-cache key."""
 
+    first_piece_words: int | None
+    """For an engine whose first audio waits for a whole piece to render (piper): a reply's
+    first piece may end after this many words, so it starts sooner; None cuts it at a clause
+    or sentence end only (an engine whose first byte hardly grows with the text)."""
+
     def synthesize(
         self, text: str, *, first_output_limit: float | None = None
     ) -> AsyncIterator[bytes]:

@@ -112,6 +112,7 @@ class LocalEspeakTts:
         if not 80 <= rate_wpm <= 450:
             raise ValueError(f"rate_wpm must be within 80..450, got {rate_wpm}")
         self.voice = voice
+        self.first_piece_words: int | None = None  # its first audio takes a few ms
         self._rate_wpm = rate_wpm
         self.sample_rate = 22050  # replaced by the library's own rate in warm()
 

@@ -48,6 +48,7 @@ class OpenAIHttpTts:
         self.name = name
         self.model = model
         self.voice = voice
+        self.first_piece_words: int | None = None
         self.sample_rate = sample_rate
         """Rate of the server's pcm output; OpenAI's is fixed at 24 kHz."""
         self.instructions = instructions

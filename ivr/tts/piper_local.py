@@ -24,6 +24,10 @@ from ivr.providers.resilience import first_within
 _NAME = "piper_local"
 _VOICE = "en_US-joe-medium"
 _CLAUSE_MARKS = frozenset({",", ";", ":"})
+FIRST_PIECE_WORDS = 4
+"""A reply's first piece ends after four words when no clause ended sooner: piper renders a
+piece whole (~0.16 s per second of speech on one core here), so the first audio of "The shop is
+located in the 42 Harbor Street," waited for all of it (bench/demo_latency.py)."""
 
 
 def split_clauses(phonemes: Sequence[str], min_len: int) -> list[list[str]]:
@@ -76,6 +80,7 @@ class LocalPiperTts:
 
     name = _NAME
     voice = _VOICE
+    first_piece_words: int | None = FIRST_PIECE_WORDS
 
     def __init__(
         self, *, intra_op_threads: int = 1, min_clause_phonemes: int = 24, queue_chunks: int = 2

@@ -18,6 +18,7 @@ class ResilientTts(WarmChain[TextToSpeech]):
         super().__init__(providers, policy)
         self.sample_rate = providers[0].sample_rate
         self.voice = providers[0].voice
+        self.first_piece_words = providers[0].first_piece_words
 
     def synthesize(
         self, text: str, *, first_output_limit: float | None = None

@@ -27,6 +27,7 @@ class StreamingVoice:
         self.streaming = streaming
         self.name = streaming.name
         self.voice = streaming.voice
+        self.first_piece_words: int | None = None  # a session carries prosody across pieces
         self.providers: Sequence[object] = getattr(streaming, "providers", (streaming,))
         """For the gateway's per-provider metrics: the primary and its fallbacks."""
 

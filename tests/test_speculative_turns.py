@@ -426,6 +426,19 @@ nodes:
 """
 
 
+def voiced(report: CallReport, fake: FakeOpenAIServer) -> list[str]:
+    """The texts the voice was asked for (startup's prompts first), once the call was heard."""
+    assert not report.errors and not report.violations, report.format_transcript()
+    assert report.turns[-1].bot_audio_seconds > 0
+    return [r.json["input"] for r in fake.requests_for("speech") if r.json is not None]
+
+
+def assert_all_used(counted: dict[str, float], *stages: str) -> None:
+    """One prefetch per stage, adopted by the turn; none thrown away or failed."""
+    assert all(counted.get(f"{stage}.used") == 1 for stage in stages), counted
+    assert not any(k.endswith((".wasted", ".failed")) for k in counted), counted
+
+
 async def test_a_say_reply_prefetches_its_first_sentence_and_uses_it(
     gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer, tmp_path: Path
 ) -> None:
@@ -445,14 +458,10 @@ async def test_a_say_reply_prefetches_its_first_sentence_and_uses_it(
             public_base_url=PUBLIC_URL,
             to=BIKES,
         )
-    assert not report.errors and not report.violations, report.format_transcript()
-    asked = [r.json["input"] for r in fake_openai.requests_for("speech") if r.json is not None]
+    asked = voiced(report, fake_openai)
     assert asked.count("Great, a mountain bike.") == 1, asked
     assert not any(text.startswith("Great, a mountain bike. Bring") for text in asked), asked
-    counted = delta(before)
-    assert counted.get("tts.used") == 1, counted
-    assert not any(k.endswith((".wasted", ".failed")) for k in counted), counted
-    assert report.turns[-1].bot_audio_seconds > 0
+    assert_all_used(delta(before), "tts")
 
 
 async def test_a_voice_that_renders_pieces_whole_gets_the_first_words_first_prefetched(
@@ -465,10 +474,7 @@ async def test_a_voice_that_renders_pieces_whole_gets_the_first_words_first_pref
     before = counts()
     async with gateway_factory(speculate_after_ms=100, tts_first_piece_words=4) as server:
         report = await dial(server, ["What are your opening hours?"])
-    assert not report.errors and not report.violations, report.format_transcript()
-    asked = [r.json["input"] for r in fake_openai.requests_for("speech") if r.json is not None]
+    asked = voiced(report, fake_openai)
     reply = asked[asked.index("You said what are") :]
     assert reply[:3] == ["You said what are", "your opening hours.", "Anything else?"], asked
-    counted = delta(before)
-    assert counted.get("tts.used") == 1 and counted.get("llm.used") == 1, counted
-    assert not any(k.endswith((".wasted", ".failed")) for k in counted), counted
+    assert_all_used(delta(before), "tts", "llm")

@@ -158,7 +158,11 @@ def _serve(ports: tuple[int, int], profile: ProviderProfile, stats: Path) -> Non
             requests, server.requests = list(server.requests), []
             peaks = {e: max_in_flight(requests, e) for e in ("transcriptions", "chat", "speech")}
             counts = {e: sum(r.endpoint == e for r in requests) for e in peaks}
-            stats.write_text(json.dumps({"max_in_flight": peaks, "requests": counts}))
+            # Written aside, then renamed: the bench polls for the file and must never read
+            # it half written (it once did, and the sweep died on a JSONDecodeError).
+            partial = stats.with_suffix(".partial")
+            partial.write_text(json.dumps({"max_in_flight": peaks, "requests": counts}))
+            partial.replace(stats)
 
 
 class ProvidersProcess:

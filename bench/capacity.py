@@ -19,7 +19,8 @@ same load, errors (lines never answered, calls that failed), the most requests t
 in flight at once (STT / LLM / TTS), the gateway's CPU per turn beyond listening (talking-phase
 CPU less what the same calls cost listening, per turn), listening CPU-s per call-minute (the
 same number of calls sending line noise first), talking CPU-s per call-minute (all of it), the
-gateway's share of its cores and event-loop lag p95. Then the knee: the first level whose p95 is
+gateway's share of its cores, event-loop lag p95 and how far behind the callers' audio it hears
+(``ivr_inbound_backlog_seconds`` p95). Then the knee: the first level whose p95 is
 more than 50 ms over 1 call's, or that has errors.
 
     .venv/bin/python bench/capacity.py                                  # the sweep (~12 min)
@@ -114,6 +115,7 @@ class Row:
     """Gateway CPU-s per call-minute over the talking phase (listening, turns and replies)."""
     cpu_percent: float = float("nan")
     loop_lag_p95_ms: float = float("nan")
+    behind_p95_ms: float = float("nan")
     caller_lag_p95_ms: float = float("nan")
     """How late the bench's own 20 ms ticks ran (p95): its own health."""
     loadavg: tuple[float, ...] = ()
@@ -228,6 +230,8 @@ async def talk(
     stats = await prov.take_stats()
     name = "ivr_event_loop_lag_seconds"
     lag = hist_stats(histogram(lag_before, name), histogram(lag_after, name))
+    name = "ivr_inbound_backlog_seconds"
+    behind = hist_stats(histogram(lag_before, name), histogram(lag_after, name))
     call_min = sum(
         live_calls((a + b) / 2, load.streams) * (b - a) / 60
         for (a, _), (b, _) in pairwise(s for s in cpu.samples if t0 <= s[0] <= t1)
@@ -250,6 +254,7 @@ async def talk(
     row.talk_cpu_per_call_min = round(busy / call_min, 3) if call_min else float("nan")
     row.cpu_percent = round(100 * busy / (t1 - t0) / len(cpus(args.gateway_cpus)), 1)
     row.loop_lag_p95_ms = round(1000 * lag.get("p95", float("nan")), 1)
+    row.behind_p95_ms = round(1000 * behind.get("p95", float("nan")), 1)
     row.caller_lag_p95_ms = round(1000 * pct(load.tick_lag, 0.95), 1)
     row.loadavg = os.getloadavg()
 
@@ -304,13 +309,13 @@ def print_table(rows: list[Row], title: str) -> None:
     head = (
         f"{'load':<9} {'calls':>5} {'turns':>5} {'turn/s':>6} {'p50':>6} {'p95':>6} {'d p95':>6} "
         f"{'errors':>6} {'in flight':>10} {'CPU/turn':>8} {'listen':>6} {'talk':>6} {'CPU %':>5} "
-        f"{'lag p95':>7} {'bench':>5}"
+        f"{'lag p95':>7} {'behind':>6} {'bench':>5}"
     )
     print(head)
     print(
         f"{'':<9} {'':>5} {'':>5} {'ends':>6} {'(ms)':>6} {'(ms)':>6} {'(ms)':>6} {'':>6} "
         f"{'STT/LLM/TTS':>10} {'(ms)':>8} {'s/c-min':>6} {'s/c-min':>6} {'':>5} {'(ms)':>7} "
-        f"{'lag':>5}"
+        f"{'p95 ms':>6} {'lag':>5}"
     )
     for r in rows:
         flight = "/".join(
@@ -321,7 +326,7 @@ def print_table(rows: list[Row], title: str) -> None:
             f"{r.p95_ms:6.0f} {r.d_p95_ms:+6.0f} {r.errors:6d} {flight:>10} "
             f"{r.cpu_ms_per_turn:8.1f} {r.listen_cpu_per_call_min:6.3f} "
             f"{r.talk_cpu_per_call_min:6.3f} {r.cpu_percent:5.0f} "
-            f"{r.loop_lag_p95_ms:7.1f} {r.caller_lag_p95_ms:5.0f}"
+            f"{r.loop_lag_p95_ms:7.1f} {r.behind_p95_ms:6.0f} {r.caller_lag_p95_ms:5.0f}"
         )
         for e in r.error_samples:
             print(f"{'':<9} error: {e}")

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import websockets
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
+from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
 from ivr.audio.codec import pcm16_to_ulaw
@@ -119,11 +120,15 @@ class Line:
     async def feed(self, frames: list[bytes]) -> None:
         """Caller audio in real time, one 20 ms frame at a time."""
         for frame in frames:
-            payload = base64.b64encode(frame).decode()
-            media = {"track": "inbound", "chunk": "1", "timestamp": str(self._ts)}
-            await self.send({"event": "media", "media": {**media, "payload": payload}})
-            self._ts += 20
+            await self.send_media(frame)
             await asyncio.sleep(0.02)
+
+    async def send_media(self, frame: bytes) -> None:
+        """One frame, stamped 20 ms after the last one, sent now."""
+        payload = base64.b64encode(frame).decode()
+        media = {"track": "inbound", "chunk": "1", "timestamp": str(self._ts)}
+        await self.send({"event": "media", "media": {**media, "payload": payload}})
+        self._ts += 20
 
     async def feed_silence_until(self, done: Callable[[], bool], within: float = 10.0) -> None:
         deadline = time.monotonic() + within
@@ -623,3 +628,37 @@ nodes:
     assert apologies, f"no apology was spoken: {spoken(fake_openai)}"
     assert "<Dial" not in twiml and stream_path(twiml) is None, twiml
     assert "<Hangup" in twiml, twiml
+
+
+# -- the inbound backlog: caller audio taken up late is what an overloaded process shows ------
+
+
+def backlog_samples(over: float) -> tuple[float, float]:
+    """(samples so far, those over ``over`` s) of ivr_inbound_backlog_seconds."""
+    name = "ivr_inbound_backlog_seconds"
+    count = REGISTRY.get_sample_value(f"{name}_count") or 0.0
+    within = REGISTRY.get_sample_value(f"{name}_bucket", {"le": str(over)}) or 0.0
+    return count, count - within
+
+
+async def test_caller_audio_that_reaches_the_gateway_late_is_counted_as_inbound_backlog(
+    gateway_factory: GatewayFactory,
+) -> None:
+    # A process that falls behind takes each call's frames up later than Twilio stamped them
+    # (at 100 calls on one core here: 4.4 s, while its event loop lagged only 43 ms). Held up
+    # on the way, frames look the same to the gateway: 1.5 s held, then sent at once.
+    async with gateway_factory() as server:
+        path = stream_path(await voice(server.base_url, "CA-late"))
+        assert path
+        line = await Line.open(server.base_url, path, "CA-late", "MZ-late")
+        await line.feed([SILENCE] * 25)  # on time: the line's own delay, sampled once
+        on_time, late = backlog_samples(0.5)
+        assert on_time >= 1 and late == 0
+        await asyncio.sleep(1.5)
+        for _ in range(50):  # what the line held, then sent in one go
+            await line.send_media(SILENCE)
+        await line.feed([SILENCE] * 25)
+        count, late = backlog_samples(0.5)
+        await line.drop()
+    assert count - on_time >= 3, count
+    assert late >= 1, "a frame taken up ~1 s after its stamp was not counted as behind"

@@ -49,6 +49,8 @@ log = structlog.get_logger("ivr.call")
 CLOCK_CREEP = 0.01
 """How fast the stream-to-clock offset may grow (see ``on_media``): 10 ms a second."""
 STT_QUEUE_SIZE = 4
+BACKLOG_EVERY = 25
+"""Payloads between two samples of the inbound backlog (twice a second at 20 ms each)."""
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class Hearing:
         """Stream time the newest inbound frame ended."""
         self._stream_to_clock = math.inf
         """Our clock less Twilio's stream time, at the least-delayed frame so far."""
+        self._payloads = 0
 
     def add_audio_tap(self, tap: Callable[[bytes], None]) -> None:
         self._audio_taps.append(tap)
@@ -111,6 +114,9 @@ class Hearing:
         lag = self._clock() - stream_time + tail_s
         creep = CLOCK_CREEP * (stream_time - self._frame_end) if self._frame_end else 0.0
         self._stream_to_clock = min(self._stream_to_clock + max(0.0, creep), lag)
+        self._payloads += 1
+        if self._payloads % BACKLOG_EVERY == 0:
+            metrics.INBOUND_BACKLOG.observe(lag - self._stream_to_clock)
         floor = self._floor
         while len(pcm) - offset >= FRAME_BYTES_PCM16:
             frame = pcm[offset : offset + FRAME_BYTES_PCM16]

@@ -136,6 +136,13 @@ STORE_RECONCILED = Gauge(
     "ivr_store_reconciled_writes", "Call-state writes replayed to Redis after an outage (total)."
 )
 STORE_FAILURES = Gauge("ivr_store_failures", "Call-state store operations that failed (total).")
+INBOUND_BACKLOG = Histogram(
+    "ivr_inbound_backlog_seconds",
+    "How late the caller's audio is heard: a frame taken up past its call's least delay "
+    "(Twilio's timestamp against our clock), sampled twice a second per call. Above ~50 ms "
+    "the process is behind the calls it carries: every turn ends that much later.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 # Admission: whether this instance takes new calls, and why not.
 LOOP_LAG = Histogram(
     "ivr_event_loop_lag_seconds",

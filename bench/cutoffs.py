@@ -130,7 +130,8 @@ async def mode_gateway(
     async with FakeOpenAIServer(api_key="sk-test") as fake:
         settings = Settings(
             public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
-            redis_url="", flows_dir=str(flows), max_loop_lag_ms=0, stt_provider="local",
+            redis_url="", flows_dir=str(flows), max_loop_lag_ms=0, max_inbound_backlog_ms=0,
+            stt_provider="local",
             speculate_after_ms=MODES[mode], turn_model=turn_model,
         )  # fmt: skip
         cloud_stt = OpenAIHttpStt(base_url=fake.base_url, api_key="sk-test")

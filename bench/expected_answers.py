@@ -165,7 +165,7 @@ async def gateway_at(flows: Path) -> AsyncIterator[tuple[RunningServer, FakeOpen
     async with FakeOpenAIServer(api_key="sk-test") as fake:
         settings = Settings(
             public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
-            redis_url="", flows_dir=str(flows), max_loop_lag_ms=0,
+            redis_url="", flows_dir=str(flows), max_loop_lag_ms=0, max_inbound_backlog_ms=0,
         )  # fmt: skip
         gateway = build_gateway(
             settings,

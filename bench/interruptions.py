@@ -189,7 +189,8 @@ async def lane_gateway(
         fake.speak = speak_24k
         settings = Settings(
             public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key="sk-test",
-            redis_url="", flows_dir=str(flows), vad=vad, max_loop_lag_ms=0,
+            redis_url="", flows_dir=str(flows), vad=vad,
+            max_loop_lag_ms=0, max_inbound_backlog_ms=0,
             speculate_after_ms=speculate_after_ms,
         )  # fmt: skip
         base = fake.base_url

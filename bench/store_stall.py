@@ -172,7 +172,7 @@ async def gateway(
     settings = Settings(
         public_url=PUBLIC_URL, twilio_auth_token=AUTH_TOKEN, llm_api_key=API_KEY,
         redis_url=redis_url, redis_prefix="ivr-stall:", flows_dir=str(flows_dir),
-        max_loop_lag_ms=0, speculate_after_ms=speculate_ms,
+        max_loop_lag_ms=0, max_inbound_backlog_ms=0, speculate_after_ms=speculate_ms,
     )  # fmt: skip
     built = build_gateway(
         settings,

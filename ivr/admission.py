@@ -53,6 +53,8 @@ class AdmissionStatus:
     """IVR_MAX_CALLS; 0 = unlimited."""
     overloaded: bool
     loop_lag_ms: float
+    inbound_backlog_ms: float
+    """How late the process takes up its callers' audio (median of the last 2 s)."""
     store: str
     """``ok``, ``degraded`` (Redis unreachable: calls go on from memory) or ``memory``."""
 
@@ -68,6 +70,7 @@ class Admission:
         lag: LoopLagMonitor,
         store: CallStore,
         max_calls: int = 0,
+        max_backlog: float = 0.0,
         overflow: str = "apology",
         overflow_number: str = "",
         clock: Callable[[], float] = time.monotonic,
@@ -77,6 +80,8 @@ class Admission:
         self.live = live
         self.lag = lag
         self.max_calls = max_calls
+        self.max_backlog = max_backlog
+        """Seconds behind its callers past which the instance takes no new call (0: never)."""
         self.overflow = overflow
         self.overflow_number = overflow_number
         self._store = store
@@ -102,12 +107,19 @@ class Admission:
         return len(live) + len(self._reserved)
 
     @property
+    def overloaded(self) -> bool:
+        """Its loop wakes late, or it hears its callers late: one more call makes it worse
+        for every caller it carries."""
+        behind = self.max_backlog > 0 and self.live.backlog.behind > self.max_backlog
+        return behind or self.lag.overloaded
+
+    @property
     def ready(self) -> bool:
-        return not (self.live.draining or self.full or self.lag.overloaded)
+        return not (self.live.draining or self.full or self.overloaded)
 
     def takes_new_call(self) -> bool:
         """Whether a voice webhook may start a call (see the module docstring)."""
-        if self.full or self.lag.overloaded:
+        if self.full or self.overloaded:
             return False
         return not self.live.draining or self._store_state() != "memory"
 
@@ -117,8 +129,9 @@ class Admission:
             draining=self.live.draining,
             calls=self._calls(),
             capacity=self.max_calls,
-            overloaded=self.lag.overloaded,
+            overloaded=self.overloaded,
             loop_lag_ms=round(self.lag.lag * 1000, 1),
+            inbound_backlog_ms=round(self.live.backlog.behind * 1000, 1),
             store=self._store_state(),
         )
 

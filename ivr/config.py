@@ -189,6 +189,9 @@ class Settings(BaseSettings):
     max_calls: int = Field(0, ge=0)
     # Median event-loop lag over the last 2 s above this (ms) = overloaded; 0 = never.
     max_loop_lag_ms: int = Field(100, ge=0)
+    # Median of how late the calls' audio is taken up (last 2 s) above this (ms) = overloaded
+    # too: /readyz unready, webhooks get the overflow (ivr.obs.backlog); 0 = never.
+    max_inbound_backlog_ms: int = Field(250, ge=0)
     # What a new call hears when this instance cannot take it: a busy <Reject>, a <Dial> to
     # overflow_number, or a short apology and hang-up.
     overflow: Literal["reject", "redirect", "apology"] = "apology"

@@ -291,6 +291,7 @@ def build_admission(settings: Settings, live: LiveCalls, store: CallStore) -> Ad
         lag=LoopLagMonitor(settings.max_loop_lag_ms / 1000),
         store=store,
         max_calls=settings.max_calls,
+        max_backlog=settings.max_inbound_backlog_ms / 1000,
         overflow=settings.overflow,
         overflow_number=settings.overflow_number,
     )

@@ -79,6 +79,7 @@ def provider_settings(**overrides: Any) -> Settings:
         # not the gateway's load, and shedding calls on it would fail unrelated tests at
         # random. tests/test_admission.py sets its own limit to test the shedding.
         "max_loop_lag_ms": 0,
+        "max_inbound_backlog_ms": 0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -23,6 +23,7 @@ import pytest
 import websockets
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
 from prometheus_client import REGISTRY
+from test_admission import assert_apology, assert_stream, readyz, voice_webhook
 from twilio.request_validator import RequestValidator
 
 from ivr.audio.codec import pcm16_to_ulaw
@@ -92,6 +93,7 @@ class Line:
         self.events: list[tuple[float, str, int]] = []  # (monotonic time, event, media bytes)
         self._seq = 1
         self._ts = 0
+        self._clock_start: float | None = None
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -123,12 +125,29 @@ class Line:
             await self.send_media(frame)
             await asyncio.sleep(0.02)
 
-    async def send_media(self, frame: bytes) -> None:
-        """One frame, stamped 20 ms after the last one, sent now."""
+    async def send_media(self, frame: bytes, stamp_ms: int | None = None) -> None:
+        """One frame sent now, stamped ``stamp_ms`` (default: 20 ms after the last one)."""
         payload = base64.b64encode(frame).decode()
+        self._ts = self._ts if stamp_ms is None else stamp_ms
         media = {"track": "inbound", "chunk": "1", "timestamp": str(self._ts)}
         await self.send({"event": "media", "media": {**media, "payload": payload}})
         self._ts += 20
+
+    async def stamped_by_the_clock(self, seconds: float, *, held: float = 0.0) -> None:
+        """Silence for ``seconds``, stamped as Twilio stamps it (time since the start); the
+        frames of the first ``held`` seconds are held back, then sent at once."""
+        if self._clock_start is None:  # one clock for the whole stream, as Twilio's
+            self._clock_start = time.monotonic() - self._ts / 1000
+        start = self._clock_start
+        end, hold_until = time.monotonic() + seconds, time.monotonic() + held
+        stamps: list[int] = []
+        while (now := time.monotonic()) < end:
+            stamps.append(round((now - start) * 50) * 20)
+            if now >= hold_until:
+                for stamp in stamps:
+                    await self.send_media(SILENCE, stamp)
+                stamps.clear()
+            await asyncio.sleep(0.02)
 
     async def feed_silence_until(self, done: Callable[[], bool], within: float = 10.0) -> None:
         deadline = time.monotonic() + within
@@ -650,10 +669,11 @@ async def test_caller_audio_that_reaches_the_gateway_late_is_counted_as_inbound_
     async with gateway_factory() as server:
         path = stream_path(await voice(server.base_url, "CA-late"))
         assert path
+        count0, late0 = backlog_samples(0.5)  # the process's: other tests' calls too
         line = await Line.open(server.base_url, path, "CA-late", "MZ-late")
         await line.feed([SILENCE] * 25)  # on time: the line's own delay, sampled once
         on_time, late = backlog_samples(0.5)
-        assert on_time >= 1 and late == 0
+        assert on_time >= count0 + 1 and late == late0
         await asyncio.sleep(1.5)
         for _ in range(50):  # what the line held, then sent in one go
             await line.send_media(SILENCE)
@@ -661,4 +681,30 @@ async def test_caller_audio_that_reaches_the_gateway_late_is_counted_as_inbound_
         count, late = backlog_samples(0.5)
         await line.drop()
     assert count - on_time >= 3, count
-    assert late >= 1, "a frame taken up ~1 s after its stamp was not counted as behind"
+    assert late >= late0 + 1, "a frame taken up ~1 s after its stamp was not counted as behind"
+
+
+async def test_an_instance_that_hears_its_callers_late_takes_no_new_call_until_it_catches_up(
+    gateway_factory: GatewayFactory,
+) -> None:
+    # Its event loop keeps time (nothing blocks it), so only the backlog says it is behind:
+    # a new call would wait as long for every reply, and hears the overflow instead.
+    async with gateway_factory(max_inbound_backlog_ms=200) as server:
+        path = stream_path(await voice(server.base_url, "CA-behind"))
+        assert path
+        line = await Line.open(server.base_url, path, "CA-behind", "MZ-behind")
+        await line.stamped_by_the_clock(0.6)
+        status, body = await readyz(server)
+        assert status == 200 and body["inbound_backlog_ms"] < 200, body
+        # 1.5 s of frames held up, then sent at once: they are taken up 1.5-0 s late.
+        await line.stamped_by_the_clock(1.55, held=1.5)
+        status, body = await readyz(server)
+        assert status == 503 and body["overloaded"] is True, body
+        assert body["inbound_backlog_ms"] > 200 and body["loop_lag_ms"] < 100, body
+        overflow = await voice_webhook(server)
+        await line.stamped_by_the_clock(2.5)  # on time again: the late samples age out
+        status, body = await readyz(server)
+        assert status == 200 and body["overloaded"] is False, f"{body}"
+        assert_stream(await voice_webhook(server))
+        await line.drop()
+    assert_apology(overflow)

@@ -41,6 +41,7 @@ from ivr.call.turns import TurnTimings
 from ivr.callio.io import Utterance
 from ivr.errors import ProviderError, ProviderTimeout
 from ivr.obs import metrics
+from ivr.obs.backlog import InboundBacklog
 from ivr.providers.resilience import turn_deadline
 from ivr.stt.base import SpeechToText
 
@@ -73,10 +74,13 @@ class Hearing:
         heard_within: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         live: LiveHearing | None = None,
+        backlog: InboundBacklog | None = None,
     ) -> None:
         """``live``: a streaming STT hears the call (``ivr.call.live_hearing``); ``stt`` is
-        then only asked for the words so far."""
+        then only asked for the words so far. ``backlog``: the process's record of how late
+        it takes up its calls' audio (None: this call's samples go to the metric alone)."""
         self._live = live
+        self._backlog = backlog or InboundBacklog()
         self._endpointer = endpointer
         self._stt = stt
         self._floor = floor
@@ -116,7 +120,7 @@ class Hearing:
         self._stream_to_clock = min(self._stream_to_clock + max(0.0, creep), lag)
         self._payloads += 1
         if self._payloads % BACKLOG_EVERY == 0:
-            metrics.INBOUND_BACKLOG.observe(lag - self._stream_to_clock)
+            self._backlog.record(lag - self._stream_to_clock)
         floor = self._floor
         while len(pcm) - offset >= FRAME_BYTES_PCM16:
             frame = pcm[offset : offset + FRAME_BYTES_PCM16]

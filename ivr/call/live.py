@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ivr.call.session import CallSession
 from ivr.control.connect import CallParams
+from ivr.obs.backlog import InboundBacklog
 
 
 @dataclass(eq=False, slots=True)
@@ -40,6 +41,8 @@ class LiveCalls:
         self._open_sockets = 0
         self.draining_since: float | None = None
         """Monotonic time the drain began; None while taking streams."""
+        self.backlog = InboundBacklog()
+        """How late the process takes up these calls' audio (admission reads it)."""
 
     @property
     def draining(self) -> bool:

@@ -39,6 +39,7 @@ from ivr.callio.timeline import CallTimeline
 from ivr.callio.turn_policy import DEFAULT_POLICIES
 from ivr.control.transfers import WarmTransfer
 from ivr.obs import metrics
+from ivr.obs.backlog import InboundBacklog
 from ivr.stt.base import SpeechToText, StreamingSpeechToText
 from ivr.tts.base import TextToSpeech
 
@@ -76,6 +77,7 @@ class CallSession:
         turn_model: TurnModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         streaming_stt: StreamingSpeechToText | None = None,  # hears the call (one session)
+        backlog: InboundBacklog | None = None,  # the process's: how late it hears its calls
     ) -> None:
         """``heard_within``: when a provider fails, the caller hears the cached apology (or
         the not-understood prompt) within this many seconds of their speech's end (None:
@@ -85,13 +87,9 @@ class CallSession:
         self.timeline = CallTimeline()  # key presses, barge-ins, nodes: saved with turns
         self._inputs = CallerInputs()
         self._speaker = Speaker(
-            player=player,
-            tts=tts,
-            prompts=prompts,
-            llm_name=llm_name,
-            heard_within=heard_within,
-            clock=clock,
-        )
+            player=player, tts=tts, prompts=prompts, llm_name=llm_name,
+            heard_within=heard_within, clock=clock,
+        )  # fmt: skip
         words = None if streaming_stt is None else LiveWords(streaming_stt.name)
         stt = words or stt
         self._floor = Floor(
@@ -118,6 +116,7 @@ class CallSession:
             heard_within=heard_within,
             clock=clock,
             live=_live_hearing(self, streaming_stt, words, endpointer, heard_within),
+            backlog=backlog,
         )
         self._endpointer = endpointer
         # interruptions, speculation (the pauses' own), timeline, turn log, caller audio

@@ -265,6 +265,7 @@ def _new_session(
         heard_within=services.heard_within,
         turn_model=services.turn_model,
         streaming_stt=services.streaming_stt,
+        backlog=services.live.backlog,
     )
 
 

@@ -442,6 +442,8 @@ class ListenLoad:
             f"{self.gw.base_url}/twilio/voice", data=params, headers={"X-Twilio-Signature": sig}
         )
         resp.raise_for_status()
+        if "wss://gw.example.com" not in resp.text:  # the overflow: overloaded, full, draining
+            raise RuntimeError(f"call refused by the gateway: {resp.text[-160:]}")
         start = resp.text.index("wss://gw.example.com") + len("wss://gw.example.com")
         return resp.text[start : resp.text.index('"', start)]
 

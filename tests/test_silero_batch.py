@@ -100,28 +100,33 @@ async def test_a_lone_stream_never_waits_for_company() -> None:
     assert loop.is_running()
 
 
-async def test_a_call_that_ends_mid_batch_leaves_the_others_their_answers() -> None:
+async def test_a_call_that_ends_while_its_window_waits_for_company_is_left_out() -> None:
     model = SileroModel.shared()
     batcher = model.batcher()
     first, second = SileroVad(), SileroVad()
-    audio = caller_audio(1)
-    window_a = window_b = None
-    for frame, _ in frames(audio):
-        window_a = first._take(frame)
-        window_b = second._take(frame)
-        if window_a is not None:
+    windows: list[tuple[np.ndarray, np.ndarray]] = []
+    for frame, _ in frames(caller_audio(1)):
+        window_a, window_b = first._take(frame), second._take(frame)
+        if window_a is not None and window_b is not None:
+            windows.append((window_a, window_b))
+        if len(windows) == 2:
             break
-    assert window_a is not None and window_b is not None
-    reference, _ = model.predict(window_b.copy(), second._state)
-    gone = asyncio.ensure_future(batcher.predict(first, window_a, first._state))
-    kept = asyncio.ensure_future(batcher.predict(second, window_b, second._state))
-    await asyncio.sleep(0)
-    gone.cancel()  # its call hung up while the batch was out
-    prob, state = await kept
-    assert prob == pytest.approx(reference, abs=1e-5)
-    assert state.shape == (2, 1, 128)
+    (a1, b1), (a2, b2) = windows
+    # A round together: both detectors are now expected in every batch.
+    await asyncio.gather(
+        batcher.predict(first, a1, first._state), batcher.predict(second, b1, second._state)
+    )
+    reference, _ = model.predict(b2.copy(), second._state)
+    runs, judged = batcher.runs, batcher.windows
+    gone = asyncio.ensure_future(batcher.predict(first, a2, first._state))
+    await asyncio.sleep(0)  # its window waits for the second detector's
+    gone.cancel()  # its call hung up meanwhile
     with pytest.raises(asyncio.CancelledError):
         await gone
+    prob, state = await batcher.predict(second, b2, second._state)
+    assert prob == pytest.approx(reference, abs=1e-5)
+    assert state.shape == (2, 1, 128)
+    assert (batcher.runs - runs, batcher.windows - judged) == (1, 1)  # the gone one never ran
 
 
 def described(event: EndpointEvent) -> tuple[str, float]:

@@ -1,11 +1,17 @@
-"""Silero windows of many calls judged in one onnxruntime run, off the event loop.
+"""Silero windows of many calls judged in one onnxruntime run, on the event loop.
 
 One run of the shared session costs ~90 us for a single 32 ms window but ~35 us a window for
 16 of them (the per-run overhead dominates a model this small), and a process carrying many
 calls has many detectors awake at once. So each window waits briefly for others: a batch
 goes as soon as it holds a window from every detector heard from lately (so one call alone
-never waits) or after ``max_wait_s``. Runs happen one at a time in a thread of their own
-(onnxruntime drops the GIL), while the loop keeps serving calls and gathers the next batch.
+never waits) or after ``max_wait_s``.
+
+A batch runs right there, on the loop (a 64-window batch blocks it ~2 ms). It ran in a thread
+of its own once, so that the loop could serve calls meanwhile; but every frame of speech then
+waited for a hop to that thread and a wake-up back, and on a loaded core (the thread and the
+loop on the same one, as with a worker per core) those hops made each call's frames late:
+at 50 calls on one core the callers were heard 48-116 ms late p95 with the thread and 13-17
+inline, at 100 calls 434-3063 against 190-209 (``bench/capacity.py``, ``behind``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,22 +52,15 @@ class SileroBatcher:
     the only entry point. Made by ``SileroModel.batcher()``, one per loop."""
 
     def __init__(
-        self,
-        model: BatchModel,
-        executor: ThreadPoolExecutor,
-        *,
-        max_wait_s: float = 0.006,
-        max_batch: int = 64,
+        self, model: BatchModel, *, max_wait_s: float = 0.006, max_batch: int = 64
     ) -> None:
         self._model = model
-        self._executor = executor
         self._max_wait = max_wait_s
         self._max_batch = max_batch
         self._pending: list[_Window] = []
         self._recent: dict[int, float] = {}  # detector id -> when it last sent a window
         self._timer: asyncio.TimerHandle | None = None
-        self._running = False
-        self._due = False  # the wait ran out while a batch was running: send at once after
+        self._due = False  # the wait ran out, or a whole batch is pending: send now
         self.runs = 0
         self.windows = 0
 
@@ -94,45 +92,34 @@ class SileroBatcher:
         self._send()
 
     def _send(self) -> None:
-        if self._running or not self._due:
-            return
-        batch = [w for w in self._pending[: self._max_batch] if not w.result.cancelled()]
-        del self._pending[: self._max_batch]
-        if self._timer is not None and not self._pending:
-            self._timer.cancel()
-            self._timer = None
-        self._due = bool(self._pending) and len(self._pending) >= self._max_batch
-        if not batch:
-            return
-        self._running = True
+        while self._due:
+            batch = [w for w in self._pending[: self._max_batch] if not w.result.cancelled()]
+            del self._pending[: self._max_batch]
+            if self._timer is not None and not self._pending:
+                self._timer.cancel()
+                self._timer = None
+            # Left over past a whole batch: those go next, at once.
+            self._due = bool(self._pending) and (
+                len(self._pending) >= self._max_batch or self._timer is None
+            )
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[_Window]) -> None:
         self.runs += 1
         self.windows += len(batch)
-        loop = asyncio.get_running_loop()
-        run = loop.run_in_executor(
-            self._executor, self._model.predict_batch,
-            np.concatenate([w.audio for w in batch]),
-            np.concatenate([w.state for w in batch], axis=1),
-        )  # fmt: skip
-        run.add_done_callback(lambda done: self._deliver(batch, done))
-
-    def _deliver(self, batch: list[_Window], done: asyncio.Future[tuple[Floats, Floats]]) -> None:
-        self._running = False
-        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-        if error is None:
-            probs, states = done.result()
-            for i, window in enumerate(batch):
-                if not window.result.done():  # its call may have ended meanwhile
-                    window.result.set_result((float(probs[i, 0]), states[:, i : i + 1, :]))
-        else:
+        try:
+            probs, states = self._model.predict_batch(
+                np.concatenate([w.audio for w in batch]),
+                np.concatenate([w.state for w in batch], axis=1),
+            )
+        except Exception as exc:  # each window's detector decides what a failure means
             for window in batch:
                 if not window.result.done():
-                    window.result.set_exception(error)
-        if self._pending and (self._due or self._timer is None):
-            self._due = True
-            self._send()
-
-
-_EXECUTORS: weakref.WeakKeyDictionary[BatchModel, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+                    window.result.set_exception(exc)
+            return
+        for i, window in enumerate(batch):
+            window.result.set_result((float(probs[i, 0]), states[:, i : i + 1, :]))
 
 
 def batcher_for(model: BatchModel, loop: asyncio.AbstractEventLoop) -> SileroBatcher:
@@ -140,10 +127,7 @@ def batcher_for(model: BatchModel, loop: asyncio.AbstractEventLoop) -> SileroBat
     batchers = _BATCHERS.setdefault(loop, {})
     batcher = batchers.get(id(model))
     if batcher is None:
-        executor = _EXECUTORS.get(model)
-        if executor is None:
-            executor = _EXECUTORS[model] = ThreadPoolExecutor(1, thread_name_prefix="silero")
-        batcher = batchers[id(model)] = SileroBatcher(model, executor)
+        batcher = batchers[id(model)] = SileroBatcher(model)
     return batcher
 
 

@@ -12,12 +12,11 @@ moves it little and a process behind on all of them moves it at once.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 
 from ivr.obs import metrics
+from ivr.obs.recent import RecentMedian
 
 DEFAULT_WINDOW = 2.0
 
@@ -30,24 +29,14 @@ class InboundBacklog:
     ) -> None:
         if window <= 0:
             raise ValueError(f"inbound backlog: window must be > 0, got {window}")
-        self.window = window
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque()  # (taken at, seconds behind)
+        self._recent = RecentMedian(window)  # seconds behind, every call's samples
 
     def record(self, seconds: float) -> None:
         metrics.INBOUND_BACKLOG.observe(seconds)
-        now = self._clock()
-        self._samples.append((now, seconds))
-        self._forget_before(now - self.window)
+        self._recent.add(self._clock(), seconds)
 
     @property
     def behind(self) -> float:
         """Median seconds behind over the window (0 with no call sampled in it)."""
-        self._forget_before(self._clock() - self.window)
-        if not self._samples:
-            return 0.0
-        return statistics.median(seconds for _, seconds in self._samples)
-
-    def _forget_before(self, cutoff: float) -> None:
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
+        return self._recent.median(self._clock())

@@ -11,12 +11,11 @@ pause does not flip it, a loop that is late on most wake-ups does.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 
 from ivr.obs import metrics
+from ivr.obs.recent import RecentMedian
 
 DEFAULT_INTERVAL = 0.1
 DEFAULT_WINDOW = 2.0
@@ -40,7 +39,8 @@ class LoopLagMonitor:
         self.interval = interval
         self.window = window
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque()  # (woke at, lag)
+        # Lags by when the monitor woke; after a long block the newest is all there is.
+        self._recent = RecentMedian(window, keep_newest=True)
         self._epoch = 0  # bumped by restart(): a sample begun before it is dropped
 
     async def run(self) -> None:
@@ -55,26 +55,17 @@ class LoopLagMonitor:
     def restart(self) -> None:
         """Forget what was measured so far, the sample under way included: startup blocks the
         loop on purpose (flows, prompts, a heap collection) and is not load to shed."""
-        self._samples.clear()
+        self._recent.clear()
         self._epoch += 1
 
     def record(self, now: float, lag: float) -> None:
         metrics.LOOP_LAG.observe(lag)
-        self._samples.append((now, lag))
-        self._forget_before(now - self.window)
-
-    def _forget_before(self, cutoff: float) -> None:
-        # Keep the newest sample even when it is old: after a long block it is all we know.
-        while len(self._samples) > 1 and self._samples[0][0] < cutoff:
-            self._samples.popleft()
+        self._recent.add(now, lag)
 
     @property
     def lag(self) -> float:
         """Median lag over the window, seconds (0 before the first sample)."""
-        self._forget_before(self._clock() - self.window)
-        if not self._samples:
-            return 0.0
-        return statistics.median(lag for _, lag in self._samples)
+        return self._recent.median(self._clock())
 
     @property
     def overloaded(self) -> bool:

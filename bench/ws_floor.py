@@ -3,11 +3,13 @@
 The listening bar of issue 21 is in CPU-s per call-minute; this measures the floor under it: a
 server that only receives 50 Twilio-sized JSON messages a second per call (160-byte payloads,
 as Twilio sends), ``--calls`` clients, the server pinned to CPU 0 and the clients to CPU 1.
-Stacks: uvicorn + Starlette (what ``ivr serve`` runs, ``websockets-sansio``), the same with
-``json.loads`` and base64 decoding of each message, and ``websockets``' own asyncio server.
+Stacks: uvicorn + Starlette (``IVR_MEDIA_SERVER=asgi``, ``websockets-sansio``), the same with
+``json.loads`` and base64 decoding of each message, ``websockets``' own asyncio server,
+aiohttp's server, and picows (C frames, what
+``ivr.media_server`` builds on, here without the hand-off to a task that the gateway adds).
 
-    .venv/bin/python bench/ws_floor.py                 # each stack, 100 calls, 15 s (~1.5 min)
-    .venv/bin/python bench/ws_floor.py --calls 50 --seconds 20
+    .venv/bin/python bench/ws_floor.py                 # each stack, 100 calls, 15 s (~3 min)
+    .venv/bin/python bench/ws_floor.py --calls 50 --seconds 20 --stacks starlette,picows
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import os
 import subprocess
@@ -29,10 +32,40 @@ MESSAGE = json.dumps({
     "media": {"track": "inbound", "chunk": "4", "timestamp": "80",
               "payload": base64.b64encode(bytes(160)).decode()},
 })  # fmt: skip
-STACKS = ("starlette", "starlette+parse", "websockets")
+STACKS = ("starlette", "starlette+parse", "websockets", "aiohttp", "picows")
 
 
 def serve(stack: str, port: int) -> None:
+    if stack == "picows":
+        import uvloop
+        from picows import WSListener, ws_create_server
+
+        class Sink(WSListener):
+            def on_ws_frame(self, transport, frame) -> None:  # type: ignore[no-untyped-def]
+                frame.get_payload_as_bytes()
+
+        async def main_picows() -> None:
+            server = await ws_create_server(lambda _: Sink(), "127.0.0.1", port)
+            await server.serve_forever()
+
+        uvloop.run(main_picows())
+        return
+    if stack == "aiohttp":
+        import uvloop
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.WebSocketResponse:
+            ws = web.WebSocketResponse(compress=False)
+            await ws.prepare(request)
+            async for _ in ws:
+                pass
+            return ws
+
+        app_ = web.Application()
+        app_.router.add_get("/ws", handle)
+        web.run_app(app_, host="127.0.0.1", port=port, loop=uvloop.new_event_loop(),
+                    print=None)  # fmt: skip
+        return
     if stack == "websockets":
         import uvloop
         from websockets.asyncio.server import ServerConnection, serve
@@ -83,8 +116,19 @@ async def callers(port: int, calls: int, seconds: float) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU of ``pid`` and its descendants (a server may run its worker in a child)."""
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    tree, grew = {pid}, True
+    while grew:
+        kids = {p for p, f in stats.items() if int(f[1]) in tree} - tree
+        grew = bool(kids)
+        tree |= kids
+    ticks = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def measure(stack: str, calls: int, seconds: float, port: int) -> float:
@@ -118,9 +162,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--port", type=int, default=8899)
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated, of " + str(STACKS))
     args = p.parse_args()
     print(f"{'stack':<16} {'calls':>5} {'CPU-s/call-min':>14} {'us/message':>10}")
-    for stack in STACKS:
+    for stack in args.stacks.split(","):
         per_min = measure(stack, args.calls, args.seconds, args.port)
         print(f"{stack:<16} {args.calls:5d} {per_min:14.3f} {per_min / 60 / 50 * 1e6:10.1f}")
     print(f"load average: {os.getloadavg()}")

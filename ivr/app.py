@@ -19,6 +19,7 @@ from ivr.control.webhooks import CallWebhooks, call_webhooks_router
 from ivr.gateway import Gateway
 from ivr.outbound.routes import outbound_router
 from ivr.state.admin import admin_router
+from ivr.telephony.media_socket import StarletteMediaSocket
 
 
 def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -70,7 +71,7 @@ def _media_stream_route(gateway: Gateway) -> APIRouter:
 
     @router.websocket("/twilio/stream/{token}")
     async def stream(ws: WebSocket, token: str) -> None:
-        await handle_stream(ws, token, gateway.services)
+        await handle_stream(StarletteMediaSocket(ws), token, gateway.services)
 
     return router
 

@@ -205,6 +205,10 @@ class Settings(BaseSettings):
     # the CPU of asyncio's own loop, and a process carrying calls does little else
     # (bench/capacity.py); "asyncio" is there to rule the loop out when chasing a bug.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    # What parses the media streams' WebSocket frames (ivr.media_server): "picows" (C, on the
+    # same port, ~half the CPU per message of a listening call) or "asgi" (uvicorn + Starlette,
+    # what any embedding ASGI server runs), to rule picows out when chasing a bug.
+    media_server: Literal["picows", "asgi"] = "picows"
 
     flows_dir: str = "flows"
     admin_token: str = ""

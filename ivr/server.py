@@ -42,6 +42,7 @@ from ivr.app import create_app
 from ivr.config import Settings
 from ivr.errors import ConfigError, IvrError
 from ivr.gateway import Gateway, build_gateway
+from ivr.media_server import MediaServer
 from ivr.obs.logging import configure_logging
 
 log = structlog.get_logger("ivr.server")
@@ -53,6 +54,8 @@ class RunningServer:
     gateway: Gateway
     host: str
     port: int
+    media: MediaServer | None = None
+    """What carries the media streams (None: uvicorn + Starlette, ``IVR_MEDIA_SERVER=asgi``)."""
 
     @property
     def base_url(self) -> str:
@@ -72,8 +75,8 @@ async def running_server(
     """Run the gateway under uvicorn in this event loop until the block exits."""
     port = port or free_port(host)
     app = create_app(gateway)
-    config = uvicorn_config(app, host, port, gateway.settings.http_keep_alive_s)
-    server = uvicorn.Server(config)
+    media = media_server_for(gateway)
+    server = GatewayServer(uvicorn_config(app, host, port, gateway, media), media)
     task = asyncio.create_task(server.serve(), name="uvicorn")
     try:
         while not server.started:
@@ -81,22 +84,37 @@ async def running_server(
                 task.result()  # re-raise the startup failure
                 raise RuntimeError("uvicorn exited during startup")
             await asyncio.sleep(0.02)
-        yield RunningServer(app=app, gateway=gateway, host=host, port=port)
+        yield RunningServer(app=app, gateway=gateway, host=host, port=port, media=media)
     finally:
         server.should_exit = True
         await asyncio.gather(task, return_exceptions=True)
 
 
-class DrainingServer(uvicorn.Server):
+class GatewayServer(uvicorn.Server):
+    """uvicorn, and the media streams it handed to ``ivr.media_server`` closed at shutdown
+    before the gateway's own (uvicorn knows only the connections it serves itself)."""
+
+    def __init__(self, config: uvicorn.Config, media: MediaServer | None) -> None:
+        super().__init__(config)
+        self._media = media
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._media is not None:
+            await self._media.aclose()
+        await super().shutdown(sockets)
+
+
+class DrainingServer(GatewayServer):
     """uvicorn whose exit signals drain the gateway first (see the module docstring)."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         gateway: Gateway,
+        media: MediaServer | None,
         on_started: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, media)
         self._gateway = gateway
         self._on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,10 +190,10 @@ async def serve(
     configure_logging(settings.log_format, settings.log_level, log_pii=settings.log_pii)
     gateway = build_gateway(settings)
     app = create_app(gateway)
-    config = uvicorn_config(
-        app, host or settings.host, port or settings.port, settings.http_keep_alive_s
-    )
-    await DrainingServer(config, gateway, on_started).serve([sock] if sock is not None else None)
+    media = media_server_for(gateway)
+    config = uvicorn_config(app, host or settings.host, port or settings.port, gateway, media)
+    server = DrainingServer(config, gateway, media, on_started)
+    await server.serve([sock] if sock is not None else None)
     return 0
 
 
@@ -349,11 +367,19 @@ def _drain_when_parent_dies(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, keep_alive_s: int) -> uvicorn.Config:
-    """``keep_alive_s``: how long an idle HTTP connection is kept (``IVR_HTTP_KEEP_ALIVE_S``).
-    uvicorn's 5 s default is shorter than what pools connections to us keeps them (nginx, ALB:
-    60 s): a busy event loop could then close one just as a request arrives on it, and Twilio
-    plays its "application error" for a webhook answered with a reset."""
+def media_server_for(gateway: Gateway) -> MediaServer | None:
+    """picows for the media streams unless ``IVR_MEDIA_SERVER=asgi``."""
+    return MediaServer(gateway) if gateway.settings.media_server == "picows" else None
+
+
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, gateway: Gateway, media: MediaServer | None
+) -> uvicorn.Config:
+    """How long an idle HTTP connection is kept is ``IVR_HTTP_KEEP_ALIVE_S``: uvicorn's 5 s
+    default is shorter than what pools connections to us keeps them (nginx, ALB: 60 s): a busy
+    event loop could then close one just as a request arrives on it, and Twilio plays its
+    "application error" for a webhook answered with a reset. WebSocket upgrades go to
+    ``media`` (``ivr.media_server``) when there is one."""
     return uvicorn.Config(
         app,
         host=host,
@@ -361,7 +387,8 @@ def uvicorn_config(app: FastAPI, host: str, port: int, keep_alive_s: int) -> uvi
         log_config=None,  # structlog owns logging
         access_log=False,
         lifespan="on",
-        ws="websockets-sansio",
+        # uvicorn calls its ``ws`` "class" with keywords and uses what it returns as the protocol.
+        ws=media.protocol if media is not None else "websockets-sansio",  # type: ignore[arg-type]
         ws_per_message_deflate=False,  # mu-law barely compresses; deflate would only cost CPU
-        timeout_keep_alive=keep_alive_s,
+        timeout_keep_alive=gateway.settings.http_keep_alive_s,
     )

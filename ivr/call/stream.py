@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ivr.audio.endpointer import Endpointer
 from ivr.call.live import LiveCall
@@ -32,6 +31,7 @@ from ivr.control.connect import CallParams, record_from_start
 from ivr.control.handshake import POLICY_VIOLATION, authorise_stream
 from ivr.control.redirects import hang_up_without_store, store_degraded, transfer_by_rest
 from ivr.control.summary import log_summary
+from ivr.control.tokens import StreamClaims
 from ivr.errors import ProtocolError
 from ivr.obs import metrics
 from ivr.recording.recorder import CallRecorder
@@ -44,6 +44,7 @@ from ivr.state.base import (
     StreamSuperseded,
 )
 from ivr.telephony import twilio
+from ivr.telephony.media_socket import MediaSocket
 from ivr.telephony.twilio import Dtmf, Mark, Media, Start, Stop, Unknown
 
 log = structlog.get_logger("ivr.stream")
@@ -101,7 +102,7 @@ class _CallTasks:
         return {self.receive, self.conversation, *self.workers}
 
 
-async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> None:
+async def handle_stream(ws: MediaSocket, token: str, services: CallServices) -> None:
     claims = await authorise_stream(
         ws,
         token,
@@ -110,19 +111,23 @@ async def handle_stream(ws: WebSocket, token: str, services: CallServices) -> No
         store=services.store,
         draining=services.live.draining,
     )
-    if claims is None:
-        return
+    if claims is not None:
+        await serve_stream(ws, claims, services)
+
+
+async def serve_stream(ws: MediaSocket, claims: StreamClaims, services: CallServices) -> None:
+    """Accept an authorised stream and carry its call until the socket or the call ends."""
     with services.live.socket_open():  # a drain waits for the close, not just the session
         await ws.accept()
         await _serve_accepted(ws, claims.call_sid, claims.planned, services)
 
 
 async def _serve_accepted(
-    ws: WebSocket, call_sid: str, planned: bool, services: CallServices
+    ws: MediaSocket, call_sid: str, planned: bool, services: CallServices
 ) -> None:
     try:
         start = await asyncio.wait_for(_wait_for_start(ws), START_TIMEOUT)
-    except (TimeoutError, WebSocketDisconnect, ProtocolError) as exc:
+    except (TimeoutError, ProtocolError) as exc:
         log.warning("stream.no_start", error=repr(exc))
         await _close(ws, POLICY_VIOLATION)
         return
@@ -156,12 +161,12 @@ async def _serve_accepted(
                 )
 
 
-async def _wait_for_start(ws: WebSocket) -> Start:
+async def _wait_for_start(ws: MediaSocket) -> Start:
     while True:
         raw = await ws.receive()
-        if raw["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(raw.get("code", 1000))
-        message = twilio.parse_message(raw.get("text") or raw.get("bytes") or b"")
+        if raw is None:
+            raise ProtocolError("closed_before_start")
+        message = twilio.parse_message(raw)
         if isinstance(message, Start):
             return message
         if isinstance(message, Stop):
@@ -169,7 +174,7 @@ async def _wait_for_start(ws: WebSocket) -> Start:
 
 
 def _new_player(
-    ws: WebSocket, start: Start, services: CallServices, outcome: _Outcome
+    ws: MediaSocket, start: Start, services: CallServices, outcome: _Outcome
 ) -> AudioPlayer:
     started = time.monotonic()
 
@@ -200,7 +205,7 @@ def _new_player(
 
 
 async def _run_call(
-    ws: WebSocket, start: Start, services: CallServices, outcome: _Outcome, planned: bool
+    ws: MediaSocket, start: Start, services: CallServices, outcome: _Outcome, planned: bool
 ) -> None:
     player = _new_player(ws, start, services, outcome)
     record, rebuilt = await _attach(services, start, planned)
@@ -338,18 +343,17 @@ def _ended_by(end: CallEnd) -> StreamOutcome:
 
 
 async def _receive(
-    ws: WebSocket, session: CallSession, recorder: CallRecorder | None
+    ws: MediaSocket, session: CallSession, recorder: CallRecorder | None
 ) -> StreamOutcome:
     """Dispatch Twilio's messages until ``stop`` or the socket closes; never raise on bad input."""
     last_sequence = 0
     reported: set[str] = set()
     while True:
         raw = await ws.receive()
-        if raw["type"] == "websocket.disconnect":
+        if raw is None:
             return StreamOutcome.DISCONNECT
-        text = raw.get("text")
         try:
-            message = twilio.parse_message(text if text is not None else raw.get("bytes") or b"")
+            message = twilio.parse_message(raw)
         except ProtocolError as exc:
             metrics.PROTOCOL_ERRORS.labels(exc.reason).inc()
             if exc.reason not in reported:  # one log line per kind per call, not 50 a second
@@ -419,8 +423,8 @@ async def _attach(services: CallServices, start: Start, planned: bool) -> tuple[
     return await store.update(start.call_sid, attach), True
 
 
-async def _close(ws: WebSocket, code: int) -> None:
-    if ws.application_state == WebSocketState.CONNECTED:
+async def _close(ws: MediaSocket, code: int) -> None:
+    if ws.connected:
         with contextlib.suppress(Exception):
             await ws.close(code)
 

@@ -9,21 +9,42 @@ instance answers 503 instead, so that a load balancer may retry elsewhere with t
 from __future__ import annotations
 
 import structlog
-from starlette.responses import Response
-from starlette.websockets import WebSocket
 
 from ivr.control.tokens import StreamClaims, StreamTokens, TokenRefused, admit
 from ivr.control.webhook_auth import StreamAuth
 from ivr.obs import metrics
 from ivr.state.base import CallStore, StoreError
+from ivr.telephony.media_socket import MediaSocket
 
 log = structlog.get_logger("ivr.stream")
 
 POLICY_VIOLATION = 1008
+FORBIDDEN = 403
+DRAINING = 503
+
+
+def upgrade_refusal(path: str, signature: str, *, auth: StreamAuth, draining: bool) -> int | None:
+    """The HTTP status a stream's upgrade is refused with (signature, draining), or None.
+
+    What can be decided from the request alone, before any I/O: a server that must answer the
+    upgrade at once (``ivr.media_server``) asks this, then ``authorise_stream`` once upgraded."""
+    signatures = auth.signatures
+    if signatures is not None:
+        if not signatures.check_stream(path, signature):
+            log.warning("stream.bad_signature", url=signatures.stream_url(path))
+            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
+            return FORBIDDEN
+    elif not auth.accepts_unsigned:
+        return FORBIDDEN
+    if draining:
+        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
+        log.info("stream.refused_draining")
+        return DRAINING
+    return None
 
 
 async def authorise_stream(
-    ws: WebSocket,
+    ws: MediaSocket,
     token: str,
     *,
     auth: StreamAuth,
@@ -32,21 +53,14 @@ async def authorise_stream(
     draining: bool,
 ) -> StreamClaims | None:
     """The token's claims when the stream may connect; None when it was refused (and closed)."""
-    signatures = auth.signatures
-    if signatures is not None:
-        signature = ws.headers.get("x-twilio-signature", "")
-        if not signatures.check_stream(ws.url.path, signature):
-            log.warning("stream.bad_signature", url=signatures.stream_url(ws.url.path))
-            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
-            await ws.close(POLICY_VIOLATION)
-            return None
-    elif not auth.accepts_unsigned:
-        await ws.close(POLICY_VIOLATION)
+    refusal = upgrade_refusal(
+        ws.path, ws.header("x-twilio-signature"), auth=auth, draining=draining
+    )
+    if refusal == DRAINING:
+        await ws.refuse(DRAINING, "draining")
         return None
-    if draining:
-        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
-        log.info("stream.refused_draining")
-        await ws.send_denial_response(Response("draining", status_code=503))
+    if refusal is not None:
+        await ws.close(POLICY_VIOLATION)
         return None
     try:
         return await admit(tokens, store, token)

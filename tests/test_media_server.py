@@ -1,0 +1,176 @@
+"""The media streams' two servers, picows (``ivr serve``'s default, ``ivr.media_server``) and
+uvicorn + Starlette (``IVR_MEDIA_SERVER=asgi``), held to the same behaviour at the socket: the
+same answers to a refused upgrade, messages put back together from fragments, bad frames counted
+while the call goes on, a flood read without loss, and streams closed 1012 at shutdown.
+
+Twilio's side is a raw WebSocket client (``Line`` from the edge-case tests) against a real
+gateway under uvicorn on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+
+import pytest
+import websockets
+from gateway_support import GatewayFactory
+from prometheus_client import REGISTRY
+from test_call_edge_cases import (
+    MENU_FLOW,
+    SILENCE,
+    Line,
+    eventually,
+    handshake,
+    record,
+    start_event,
+    stream_path,
+    voice,
+    write_flow,
+)
+
+from ivr.server import RunningServer
+from ivr.state.base import CallStatus
+
+pytestmark = pytest.mark.slow
+
+SERVERS = ["picows", "asgi"]
+
+
+def protocol_errors(reason: str) -> float:
+    value = REGISTRY.get_sample_value("ivr_protocol_errors_total", {"reason": reason})
+    return value or 0.0
+
+
+def menu_gateway(
+    factory: GatewayFactory, tmp_path: Path, media_server: str = "picows"
+) -> AbstractAsyncContextManager[RunningServer]:
+    return factory(flows_dir=write_flow(tmp_path, MENU_FLOW), media_server=media_server)
+
+
+async def answered_call(server: RunningServer, call_sid: str) -> Line:
+    """A call's stream, opened and past the menu's prompt (its mark echoed)."""
+    path = stream_path(await voice(server.base_url, call_sid))
+    assert path
+    line = await Line.open(server.base_url, path, call_sid, "MZ" + call_sid)
+    await line.feed_silence_until(lambda: line.count("mark") >= 1)
+    return line
+
+
+async def wait_until(done: object, within: float = 5.0) -> None:
+    assert callable(done)
+    deadline = asyncio.get_running_loop().time() + within
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("media_server", SERVERS)
+async def test_a_call_is_carried_by_the_configured_server(
+    gateway_factory: GatewayFactory, tmp_path: Path, media_server: str
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
+        line = await answered_call(server, "CA1")
+        if media_server == "picows":
+            assert server.media is not None and server.media.open_streams == 1
+        else:
+            assert server.media is None
+        await line.dtmf("1")  # the menu moves on: the caller's messages reach the flow
+        await eventually(server, "CA1", lambda r: r.node == "second")
+        await line.drop()
+        await eventually(server, "CA1", lambda r: r.status != CallStatus.ACTIVE)
+        if server.media is not None:
+            await wait_until(lambda: server.media is not None and server.media.open_streams == 0)
+
+
+@pytest.mark.parametrize("media_server", SERVERS)
+async def test_refused_upgrades_are_answered_alike(
+    gateway_factory: GatewayFactory, tmp_path: Path, media_server: str
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
+        ws_base = server.base_url.replace("http://", "ws://")
+        path = stream_path(await voice(server.base_url, "CA2"))
+        assert path
+        statuses = []
+        # No signature; a token no webhook minted; a path no route has.
+        for attempt in (
+            websockets.connect(ws_base + path),
+            handshake(server.base_url, "/twilio/stream/not-a-token"),
+            handshake(server.base_url, "/elsewhere"),
+        ):
+            with pytest.raises(websockets.InvalidStatus) as info:
+                await attempt
+            statuses.append(info.value.response.status_code)
+        assert statuses == [403, 403, 403]
+        # The token is still good after those: the real stream is taken.
+        line = await Line.open(server.base_url, path, "CA2", "MZ2")
+        await line.feed_silence_until(lambda: line.count("media") > 0)
+        await line.drop()
+
+
+@pytest.mark.parametrize("media_server", SERVERS)
+async def test_a_message_sent_in_fragments_is_taken_whole(
+    gateway_factory: GatewayFactory, tmp_path: Path, media_server: str
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
+        path = stream_path(await voice(server.base_url, "CA3"))
+        assert path
+        ws = await handshake(server.base_url, path)
+        line = Line(ws, "MZ3")
+        start = json.dumps({**start_event("CA3", "MZ3"), "sequenceNumber": "1"})
+        thirds = len(start) // 3
+        await ws.send([start[:thirds], start[thirds : 2 * thirds], start[2 * thirds :]])
+        await line.feed_silence_until(lambda: line.count("media") > 0)  # the call started
+        assert (await record(server, "CA3")).stream_sid == "MZ3"
+        await line.drop()
+
+
+@pytest.mark.parametrize("media_server", SERVERS)
+async def test_binary_broken_and_oversized_messages_are_counted_and_the_call_goes_on(
+    gateway_factory: GatewayFactory, tmp_path: Path, media_server: str
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
+        line = await answered_call(server, "CA4")
+        before = {r: protocol_errors(r) for r in ("binary_frame", "bad_json", "oversized_frame")}
+        await line.ws.send(b"\x00\x01binary")
+        if media_server == "picows":  # uvicorn's own protocol drops the socket for this one
+            await line.ws.send(b"\xff\xfe not utf-8", text=True)  # invalid UTF-8 as text
+        await line.ws.send("x" * (100 * 1024))  # 100 KiB: past what Twilio ever sends
+        await line.feed([SILENCE] * 5)
+        await line.dtmf("1")
+        await eventually(server, "CA4", lambda r: r.node == "second")
+        after = {r: protocol_errors(r) for r in before}
+        assert after["oversized_frame"] - before["oversized_frame"] == 1
+        # The bad UTF-8 is passed on as bytes and reported as a binary frame.
+        binary = 2 if media_server == "picows" else 1
+        assert after["binary_frame"] - before["binary_frame"] == binary, (before, after)
+        assert after["bad_json"] == before["bad_json"]
+        await line.drop()
+
+
+async def test_a_flood_of_messages_is_read_as_the_call_catches_up_and_none_is_lost(
+    gateway_factory: GatewayFactory, tmp_path: Path
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path) as server:
+        assert server.media is not None
+        line = await answered_call(server, "CA5")
+        gaps = protocol_errors("sequence_gap")
+        # 40 s of audio at once, more than the 500 messages the socket queues before it stops
+        # reading: TCP holds the rest until the call has taken them.
+        for _ in range(2000):
+            await line.send_media(SILENCE)
+        await line.dtmf("1")
+        await eventually(server, "CA5", lambda r: r.node == "second", within=30.0)
+        assert protocol_errors("sequence_gap") == gaps  # every message read, in order
+        await line.drop()
+
+
+@pytest.mark.parametrize("media_server", SERVERS)
+async def test_a_stream_still_open_at_shutdown_is_closed_with_1012(
+    gateway_factory: GatewayFactory, tmp_path: Path, media_server: str
+) -> None:
+    async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
+        line = await answered_call(server, "CA6")
+    assert await line.closed_by_gateway(within=10.0) == 1012

@@ -10,7 +10,11 @@ gateway under uvicorn on a free port.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
+import signal
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -18,9 +22,12 @@ import pytest
 import websockets
 from gateway_support import GatewayFactory
 from prometheus_client import REGISTRY
+from redis_server import RedisServer, unique_prefix
+from structlog.testing import capture_logs
 from test_call_edge_cases import (
     MENU_FLOW,
     SILENCE,
+    VALIDATOR,
     Line,
     eventually,
     handshake,
@@ -174,3 +181,52 @@ async def test_a_stream_still_open_at_shutdown_is_closed_with_1012(
     async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
         line = await answered_call(server, "CA6")
     assert await line.closed_by_gateway(within=10.0) == 1012
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.close()
+
+
+async def test_a_caller_gone_while_its_stream_is_admitted_leaves_nothing_behind(
+    gateway_factory: GatewayFactory, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # The store stalls (SIGSTOP) while the upgrade's token is redeemed, and the caller's side
+    # drops the connection meanwhile: once the store answers, the stream must not be upgraded
+    # on the dead connection, nor be left open, and the next call must be carried as usual.
+    flows = write_flow(tmp_path, MENU_FLOW)
+    settings = {"redis_url": redis_server.url, "redis_prefix": unique_prefix(),
+                "redis_budget_ms": 3000}  # fmt: skip
+    async with gateway_factory(flows_dir=flows, **settings) as server:
+        assert server.media is not None and redis_server.process is not None
+        path = stream_path(await voice(server.base_url, "CA7"))
+        assert path
+        signature = VALIDATOR.compute_signature(f"wss://gw.example.com{path}", {})
+        with capture_logs() as logs:
+            redis_server.process.send_signal(signal.SIGSTOP)
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(
+                    f"GET {path} HTTP/1.1\r\nHost: gw.example.com\r\nUpgrade: websocket\r\n"
+                    "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                    f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                    f"X-Twilio-Signature: {signature}\r\n\r\n".encode()
+                )
+                await writer.drain()
+                await asyncio.sleep(0.3)  # the gateway is redeeming the token, on the stall
+                writer.close()
+                await writer.wait_closed()
+                await asyncio.sleep(0.2)
+            finally:
+                redis_server.process.send_signal(signal.SIGCONT)
+            await wait_until(lambda: server.media is not None and server.media.open_streams == 0)
+            await asyncio.sleep(0.5)  # time for a late failure to be logged
+        # Nothing written, not even a 101: the token was still being redeemed when it left.
+        assert not await reader.read(), "nothing may be written to a connection that left"
+        failures = [e for e in logs if e["log_level"] in ("error", "critical")]
+        assert failures == [], failures
+        line = await answered_call(server, "CA8")  # the next call is carried as usual
+        await line.drop()

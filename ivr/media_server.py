@@ -35,7 +35,7 @@ from picows.picows import WSProtocol  # type: ignore[attr-defined]  # not in its
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from ivr.call.stream import serve_stream
-from ivr.control.handshake import FORBIDDEN, authorise_stream
+from ivr.control.handshake import authorise_stream
 from ivr.gateway import Gateway
 
 log = structlog.get_logger("ivr.media_server")
@@ -45,6 +45,8 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 """Twilio's messages are under 1 KiB. Up to this size a message is taken and the parser says
 what is wrong with it (``oversized_frame`` past 64 KiB, as under Starlette); beyond it the
 socket is closed (1009) rather than buffered."""
+FORBIDDEN = 403
+"""What a stream closed before it is accepted is answered with, as under Starlette."""
 SERVICE_RESTART = 1012
 TRY_AGAIN_LATER = 1013
 MAX_QUEUED = 500
@@ -202,13 +204,12 @@ class MediaServer:
         """uvicorn's ``ws`` protocol class: called with its config and state per upgrade."""
         return _UpgradeRouter(self, uvicorn_state)
 
-    def admit(self, router: _UpgradeRouter, request: bytes) -> None:
-        task = asyncio.create_task(self._admit_and_serve(router, request), name="media-stream")
+    def admit(self, router: _UpgradeRouter, handshake: _Handshake) -> None:
+        task = asyncio.create_task(self._admit_and_serve(router, handshake), name="media-stream")
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def _admit_and_serve(self, router: _UpgradeRouter, request: bytes) -> None:
-        handshake = _Handshake.parse(request)
+    async def _admit_and_serve(self, router: _UpgradeRouter, handshake: _Handshake) -> None:
         services = self._gateway.services
         claims = await authorise_stream(
             handshake,
@@ -315,11 +316,11 @@ class _UpgradeRouter(asyncio.Protocol):
         self._pending += data
         if self._admitting or self._transport is None:
             return
-        target = bytes(self._pending).split(b" ", 2)[1] if self._pending.count(b" ") >= 2 else b""
-        if target.startswith(STREAM_PREFIX.encode()):
+        handshake = _Handshake.parse(bytes(self._pending))
+        if handshake.path.startswith(STREAM_PREFIX):
             self._admitting = True
             self._transport.pause_reading()
-            self._server.admit(self, bytes(self._pending))
+            self._server.admit(self, handshake)
         else:
             self._switch(WebSocketsSansIOProtocol(**self._uvicorn_state))
 

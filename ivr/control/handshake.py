@@ -19,28 +19,6 @@ from ivr.telephony.media_socket import MediaSocket
 log = structlog.get_logger("ivr.stream")
 
 POLICY_VIOLATION = 1008
-FORBIDDEN = 403
-DRAINING = 503
-
-
-def upgrade_refusal(path: str, signature: str, *, auth: StreamAuth, draining: bool) -> int | None:
-    """The HTTP status a stream's upgrade is refused with (signature, draining), or None.
-
-    What can be decided from the request alone, before any I/O: a server that must answer the
-    upgrade at once (``ivr.media_server``) asks this, then ``authorise_stream`` once upgraded."""
-    signatures = auth.signatures
-    if signatures is not None:
-        if not signatures.check_stream(path, signature):
-            log.warning("stream.bad_signature", url=signatures.stream_url(path))
-            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
-            return FORBIDDEN
-    elif not auth.accepts_unsigned:
-        return FORBIDDEN
-    if draining:
-        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
-        log.info("stream.refused_draining")
-        return DRAINING
-    return None
 
 
 async def authorise_stream(
@@ -53,14 +31,20 @@ async def authorise_stream(
     draining: bool,
 ) -> StreamClaims | None:
     """The token's claims when the stream may connect; None when it was refused (and closed)."""
-    refusal = upgrade_refusal(
-        ws.path, ws.header("x-twilio-signature"), auth=auth, draining=draining
-    )
-    if refusal == DRAINING:
-        await ws.refuse(DRAINING, "draining")
-        return None
-    if refusal is not None:
+    signatures = auth.signatures
+    if signatures is not None:
+        if not signatures.check_stream(ws.path, ws.header("x-twilio-signature")):
+            log.warning("stream.bad_signature", url=signatures.stream_url(ws.path))
+            metrics.PROTOCOL_ERRORS.labels("bad_signature").inc()
+            await ws.close(POLICY_VIOLATION)
+            return None
+    elif not auth.accepts_unsigned:
         await ws.close(POLICY_VIOLATION)
+        return None
+    if draining:
+        # Not 403: a load balancer may retry a 503 on another instance, with the token unspent.
+        log.info("stream.refused_draining")
+        await ws.refuse(503, "draining")
         return None
     try:
         return await admit(tokens, store, token)

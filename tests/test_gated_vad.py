@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
+import pytest
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
 
 from ivr.audio.endpointer import Endpointer, SpeechEnded
 from ivr.audio.gated_vad import GatedSileroVad, SileroPool
+from ivr.audio.vad import WebRtcVad
 
 SENTENCE = "I would like to check my account balance, please."
 RATE = 8000
@@ -79,3 +82,52 @@ async def test_inside_an_event_loop_a_wake_never_waits_for_a_model_to_load() -> 
     assert vad.wakes == 1 and vad.awake_frames > len(decisions) // 2, "then Silero decided"
     assert slowest < 0.03, "no frame may wait for a model to load"
     assert sum(decisions) > len(decisions) // 2
+
+
+def _quieter(pcm16: bytes, db: float) -> bytes:
+    x = np.frombuffer(pcm16, "<i2").astype(np.float64) * 10 ** (db / 20)
+    return np.rint(x).astype("<i2").tobytes()
+
+
+def test_silero_sleeps_while_webrtc_hears_hiss_as_speech_after_an_utterance() -> None:
+    """WebRTC calls white hiss speech for seconds after an utterance; Silero used to run
+    through all of it (2.9-3.9 s at -66..-55 dBFS) because the gate kept it awake."""
+    speech = trimmed(speech_pcm16(SENTENCE))
+    for dbfs in (-66, -55, -45):
+        lead = noise_pcm16(1.0, dbfs=dbfs, seed=8, color="white")
+        tail = noise_pcm16(4.0, dbfs=dbfs, seed=7, color="white")
+        vad = GatedSileroVad(SileroPool(), sleep_after_ms=400)
+        gate = WebRtcVad(mode=1)  # what the gate alone hears, to show the case is the hard one
+        speech_over = len(frames(lead + speech))
+        awake_after = gate_after = 0
+        for i, (frame, _) in enumerate(frames(lead + speech + tail)):
+            speech_now = vad.is_speech(frame)
+            heard = gate.is_speech(frame)
+            if i >= speech_over:
+                assert not speech_now or i < speech_over + 10, f"{dbfs} dBFS: hiss called speech"
+                awake_after += vad.awake
+                gate_after += heard
+        vad.close()
+        print(f"\n{dbfs} dBFS white hiss: the gate heard speech in {20 * gate_after} ms of it, "
+              f"Silero ran on {20 * awake_after} ms")  # fmt: skip
+        assert gate_after >= 50, f"{dbfs} dBFS: the gate let go of the hiss within 1 s"
+        assert awake_after <= 50, f"{dbfs} dBFS: Silero ran on through the hiss"
+
+
+@pytest.mark.parametrize("dbfs", [-66, -55, -45])
+@pytest.mark.parametrize("gap_s", [0.6, 1.5])
+def test_a_caller_who_goes_on_over_hiss_that_silenced_silero_is_heard(
+    dbfs: int, gap_s: float
+) -> None:
+    """Asleep while the gate is stuck on hiss, Silero still wakes for a voice over it: here
+    a second sentence 15 dB quieter than the first, after a pause of ``gap_s``."""
+    first = trimmed(speech_pcm16(SENTENCE))
+    second = _quieter(trimmed(speech_pcm16("And my savings account too.")), -15)
+    hiss = [noise_pcm16(s, dbfs=dbfs, seed=i, color="white") for i, s in enumerate((1, gap_s, 2))]
+    timeline = hiss[0] + first + hiss[1] + second + hiss[2]
+    endpointer = Endpointer(GatedSileroVad(SileroPool()))
+    ended = [e for f, t in frames(timeline) if isinstance(e := endpointer.push(f, t), SpeechEnded)]
+    endpointer.close()
+    assert len(ended) == 2, f"{dbfs} dBFS, {gap_s} s pause: {len(ended)} utterances heard"
+    second_start = seconds(hiss[0] + first + hiss[1])
+    assert ended[1].t_end_of_speech > second_start + seconds(second) - 0.15

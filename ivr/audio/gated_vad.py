@@ -4,10 +4,15 @@ Silero (neural) ignores the hiss and comfort noise that WebRTC's GMM hears as sp
 ~60-90 us a frame (WebRTC: ~2 us); a call spends most of its time listening to silence. So a
 permissive WebRTC detector watches every frame, and only when it hears something
 does a Silero instance wake, primed with the last ``history_ms`` of audio so the onset is not
-lost. Silero decides until both have heard nothing for ``sleep_after_ms``; then the instance goes
-back to a process-wide pool. Instances are reset on every wake, so any call can use any of them:
-they only hold recurrent state (the ONNX session is shared, ``SileroModel``). Nothing loads on
-the event loop: the session loads in a background thread (``SileroPool``).
+lost. Silero decides until it has heard no speech for ``sleep_after_ms``; then the instance goes
+back to a process-wide pool. WebRTC, once it has heard speech, goes on calling steady hiss
+speech for seconds (engines.md section 1): Silero put to sleep while the gate still says speech
+wakes again only for sound clearly louder than what it last judged not speech
+(``WAKE_OVER_QUIET``), or once the gate has let go and hears something again. Until then it ran
+through 2-4 s of hiss after every utterance (``tests/test_gated_vad.py``). Instances are reset on
+every wake, so any call can use any of them: they only hold recurrent state (the ONNX session is
+shared, ``SileroModel``). Nothing loads on the event loop: the session loads in a background
+thread (``SileroPool``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ import asyncio
 import threading
 from collections import deque
 
+from ivr.audio.codec import rms16
 from ivr.audio.vad import SileroVad, WebRtcVad
+
+WAKE_OVER_QUIET = 1.25
+"""While the gate is stuck on hiss, a frame this many times the RMS of the loudest frame Silero
+last judged not speech (2 dB) wakes Silero: a voice starting over the hiss, not the hiss."""
 
 
 class SileroPool:
@@ -134,6 +144,10 @@ class GatedSileroVad:
         self._history: deque[bytes] = deque(maxlen=max(1, history_ms // 20))
         self._sleep_after = max(1, sleep_after_ms // 20)
         self._quiet_frames = 0
+        self._quiet_peak = 0
+        """The loudest frame (RMS) of the current run that Silero judged not speech."""
+        self._stuck_rms: int | None = None
+        """Silero slept while the gate still said speech: the hiss level it judged not speech."""
         self._silero: SileroVad | None = None
         self._waiting = False
         """Woken, but the pool had no model ready yet."""
@@ -166,7 +180,7 @@ class GatedSileroVad:
             return gate
         verdict = silero.judge(frame)
         # A window Silero failed to judge: the gate's verdict stands in, as while it loads.
-        return self._judged(gate if verdict is None else verdict, gate)
+        return self._judged(frame, gate if verdict is None else verdict, gate)
 
     async def is_speech_async(self, frame: bytes) -> bool:
         """``is_speech``, Silero's windows batched with other calls' (``SileroBatcher``)."""
@@ -174,7 +188,7 @@ class GatedSileroVad:
         if silero is None:
             return gate
         verdict = await silero.judge_async(frame)
-        return self._judged(gate if verdict is None else verdict, gate)
+        return self._judged(frame, gate if verdict is None else verdict, gate)
 
     def _silero_for(self, frame: bytes) -> tuple[SileroVad | None, bool]:
         """The gate's verdict on ``frame``, and the Silero instance that decides it (None:
@@ -183,7 +197,12 @@ class GatedSileroVad:
         gate = self._gate.is_speech(frame)
         silero = self._silero
         if silero is None:
-            if not gate and not self._waiting:
+            if self._stuck_rms is not None and gate and not self._waiting:
+                if rms16(frame) <= WAKE_OVER_QUIET * self._stuck_rms:
+                    self._history.append(frame)
+                    return None, False  # the hiss Silero last judged: not speech
+            elif not gate and not self._waiting:
+                self._stuck_rms = None  # the gate let go of the hiss: it may wake Silero again
                 self._history.append(frame)
                 return None, False
             silero = self._wake()
@@ -195,11 +214,17 @@ class GatedSileroVad:
         self.awake_frames += 1
         return silero, gate
 
-    def _judged(self, speech: bool, gate: bool) -> bool:
-        self._quiet_frames = 0 if (speech or gate) else self._quiet_frames + 1
+    def _judged(self, frame: bytes, speech: bool, gate: bool) -> bool:
+        if speech:
+            self._quiet_frames = self._quiet_peak = 0
+            return True
+        self._quiet_frames += 1
+        self._quiet_peak = max(self._quiet_peak, rms16(frame))
         if self._quiet_frames >= self._sleep_after:
+            stuck = self._quiet_peak if gate else None
             self.close()
-        return speech
+            self._stuck_rms = stuck
+        return False
 
     def _wake(self) -> SileroVad | None:
         silero = self._pool.acquire()
@@ -210,7 +235,7 @@ class GatedSileroVad:
         self._silero = silero
         self._waiting = False
         self.wakes += 1
-        self._quiet_frames = 0
+        self._quiet_frames = self._quiet_peak = 0
         for past in self._history:  # prime the model's state with the onset
             silero.judge(past)
         self._history.clear()
@@ -219,7 +244,8 @@ class GatedSileroVad:
     def close(self) -> None:
         """Hand the Silero instance back (also called when the call ends)."""
         self._waiting = False
+        self._stuck_rms = None
         if self._silero is not None:
             self._pool.release(self._silero)
             self._silero = None
-            self._quiet_frames = 0
+            self._quiet_frames = self._quiet_peak = 0

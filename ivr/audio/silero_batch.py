@@ -58,7 +58,8 @@ class SileroBatcher:
         self._max_wait = max_wait_s
         self._max_batch = max_batch
         self._pending: list[_Window] = []
-        self._recent: dict[int, float] = {}  # detector id -> when it last sent a window
+        # detector id -> when it last sent a window; oldest first
+        self._recent: dict[int, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._due = False  # the wait ran out, or a whole batch is pending: send now
         self.runs = 0
@@ -69,22 +70,29 @@ class SileroBatcher:
         touched again by the caller) and the detector's next recurrent state."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        self._recent[id(detector)] = now
         window = _Window(audio, state, loop.create_future())
         self._pending.append(window)
-        if len(self._pending) >= self._expected(now):
+        if len(self._pending) >= self._expected(id(detector), now):
             self._due = True
             self._send()
         elif self._timer is None:
             self._timer = loop.call_later(self._max_wait, self._wait_over)
         return await window.result
 
-    def _expected(self, now: float) -> int:
-        recent = self._recent
-        if len(recent) > 4 * self._max_batch:  # detectors that went quiet: forget them
-            for key in [k for k, t in recent.items() if now - t > RECENT_S]:
-                del recent[key]
-        return min(self._max_batch, sum(1 for t in recent.values() if now - t <= RECENT_S))
+    def _expected(self, detector: int, now: float) -> int:
+        """How many windows a batch waits for: one from each detector heard from lately
+        (``detector`` sends one now)."""
+        recent = self._recent  # oldest first: a detector moves to the end when it sends
+        recent.pop(detector, None)
+        recent[detector] = now
+        quiet = []  # the ones that went quiet: all at the front (each is forgotten once)
+        for key, sent in recent.items():
+            if now - sent <= RECENT_S:
+                break
+            quiet.append(key)
+        for key in quiet:
+            del recent[key]
+        return min(self._max_batch, len(recent))
 
     def _wait_over(self) -> None:
         self._timer = None

@@ -28,6 +28,7 @@ more than 50 ms over 1 call's, or that has errors.
     .venv/bin/python bench/capacity.py --env IVR_SPECULATE_AFTER_MS=0   # any gateway setting
     .venv/bin/python bench/capacity.py --workers 2 --gateway-cpus 0,1 --caller-cpus 0,1
     .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 20
+    .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 15 --py-spy-at 0
     .venv/bin/python bench/capacity.py --levels 50,100 --classic '' --tts cartesia
 
 ``--tts cartesia``: the voice is a local Cartesia TTS WebSocket (in the providers' process, the
@@ -217,9 +218,15 @@ async def talk(
         try:
             runner = asyncio.create_task(load.run(duration))
             if args.py_spy and row.calls == max(levels(args.levels), default=0):
-                await asyncio.sleep(min(duration / 3, row.calls * args.interval))
+                # By default once every call is up (steady state); --py-spy-at 0: the arrivals.
+                at = args.py_spy_at
+                await asyncio.sleep(at if at >= 0 else min(duration / 3, row.calls * args.interval))
                 await py_spy(
-                    gw, f"capacity-{row.load}-{row.calls}", args.py_spy, gw.log_path.parent
+                    gw,
+                    f"capacity-{row.load}-{row.calls}",
+                    args.py_spy,
+                    gw.log_path.parent,
+                    rate=args.py_spy_rate,
                 )
             await runner
         finally:
@@ -375,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway")
     p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
+    p.add_argument("--py-spy-at", type=float, default=-1.0, help="s into the talk (-1: steady)")
+    p.add_argument("--py-spy-rate", type=int, default=100, help="py-spy samples a second")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     return p.parse_args(argv)
 

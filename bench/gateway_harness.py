@@ -568,8 +568,12 @@ def summarise_listen(
     )
 
 
-async def py_spy(gw: GatewayProcess, vad: str, seconds: float, workdir: Path) -> None:
-    """Sample the gateway's stacks; write collapsed stacks and print the top self-time frames."""
+async def py_spy(
+    gw: GatewayProcess, vad: str, seconds: float, workdir: Path, *, rate: int = 100
+) -> None:
+    """Sample the gateway's stacks; write collapsed stacks and print the top self-time frames.
+    (A "Runner.run" self share is time py-spy found in no Python frame: the loop's own C, and
+    samples it could not unwind; `perf record -g -p PID` tells those apart.)"""
     out = workdir / f"py-spy-{vad}.txt"
     cmd = [
         str(ROOT / ".venv/bin/py-spy"),
@@ -581,7 +585,7 @@ async def py_spy(gw: GatewayProcess, vad: str, seconds: float, workdir: Path) ->
         "--format",
         "raw",
         "--rate",
-        "100",
+        str(rate),
         "--nonblocking",
         "--subprocesses",  # ivr serve --workers N: the workers are the master's children
         "-o",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import structlog
 from gateway_support import AUTH_TOKEN, PUBLIC_URL, GatewayFactory
-from redis_server import LOCAL_REDIS_URL, delete_prefix, unique_prefix
+from redis_server import LOCAL_REDIS_URL, RedisServer, delete_prefix, unique_prefix
 
 from ivr.config import Settings
 from ivr.gateway import build_gateway
@@ -39,6 +39,15 @@ async def prefix() -> AsyncIterator[str]:
     value = unique_prefix()
     yield value
     await delete_prefix(LOCAL_REDIS_URL, value)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server on a free port, for tests that stop, pause or restart it."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.close()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -463,14 +463,6 @@ async def test_a_draining_instance_is_unready_and_without_shared_state_overflows
     assert status == 503 and body["draining"] is True and body["ready"] is False, body
     # The store is this process's memory: a stream elsewhere could not find the call.
     assert_apology(twiml)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.close()
 
 
 @pytest.mark.slow

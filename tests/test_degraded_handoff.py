@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -41,14 +41,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 VALIDATOR = RequestValidator(AUTH_TOKEN)
 GREETING = "Hello, you've reached Acme. How can I help you today?"  # flows/default.yaml
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.close()
 
 
 @asynccontextmanager

@@ -269,27 +269,19 @@ def test_sources_without_the_named_flow_say_so() -> None:
 # -- the gateway's store while Redis is down ----------------------------------------------------
 
 
-@pytest.fixture
-def private_redis() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.close()
-
-
 async def test_sources_saved_while_redis_is_down_are_served_locally_and_written_back(
-    private_redis: RedisServer,
+    redis_server: RedisServer,
 ) -> None:
-    primary = RedisCallStore(private_redis.url, socket_timeout=1.0, pool_timeout=1.0)
+    primary = RedisCallStore(redis_server.url, socket_timeout=1.0, pool_timeout=1.0)
     store = ResilientCallStore(primary, min_backoff=0.02, max_backoff=0.2)
-    other = RedisCallStore(private_redis.url)  # another instance's view
+    other = RedisCallStore(redis_server.url)  # another instance's view
     await store.start()
     try:
-        private_redis.stop()
+        redis_server.stop()
         await store.save_flow_sources("v1abc", {"main.yaml": "x"}, ttl=60)
         assert store.degraded
         assert await store.load_flow_sources("v1abc") == {"main.yaml": "x"}
-        private_redis.start()
+        redis_server.start()
         for _ in range(250):
             if not store.degraded:
                 break

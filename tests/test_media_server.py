@@ -14,7 +14,6 @@ import base64
 import json
 import os
 import signal
-from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -181,14 +180,6 @@ async def test_a_stream_still_open_at_shutdown_is_closed_with_1012(
     async with menu_gateway(gateway_factory, tmp_path, media_server) as server:
         line = await answered_call(server, "CA6")
     assert await line.closed_by_gateway(within=10.0) == 1012
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.close()
 
 
 async def test_a_caller_gone_while_its_stream_is_admitted_leaves_nothing_behind(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from redis_server import RedisServer
@@ -92,30 +92,22 @@ async def test_a_black_holed_redis_costs_each_call_at_most_the_budget_once(
           f"{max(waits[1:]) * 1000:.1f} ms at most")  # fmt: skip
 
 
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    s = RedisServer()
-    s.start()
-    yield s
-    s.close()
-
-
 async def test_a_paused_redis_costs_the_budget_then_the_write_is_reconciled(
-    server: RedisServer,
+    redis_server: RedisServer,
 ) -> None:
-    store = store_on(server.url)
-    direct = RedisCallStore(server.url, prefix="ivr:")
+    store = store_on(redis_server.url)
+    direct = RedisCallStore(redis_server.url, prefix="ivr:")
     await store.start()
-    assert server.process is not None
+    assert redis_server.process is not None
     try:
         await store.create(a_call("CA1"))
-        server.process.send_signal(signal.SIGSTOP)
+        redis_server.process.send_signal(signal.SIGSTOP)
         try:
             _, paused = await timed(store.update("CA1", lambda r: setattr(r, "node", "n1")))
             _, after = await timed(store.update("CA1", lambda r: setattr(r, "node", "n2")))
             assert store.degraded
         finally:
-            server.process.send_signal(signal.SIGCONT)
+            redis_server.process.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while store.degraded or store.statistics().pending:
             assert time.monotonic() < deadline, store.statistics()
@@ -176,13 +168,13 @@ class HeldReplies:
 
 
 async def test_a_write_cut_off_by_the_budget_that_landed_is_not_a_conflict(
-    server: RedisServer,
+    redis_server: RedisServer,
 ) -> None:
     """Redis applies the compare-and-set but its answer comes after the budget: the call went
     on from memory with the same change. The write-back finds our own record in Redis, not
     someone else's change: no conflict, and the change is applied once."""
-    direct = RedisCallStore(server.url, prefix="ivr:")
-    async with HeldReplies(server.port) as proxy:
+    direct = RedisCallStore(redis_server.url, prefix="ivr:")
+    async with HeldReplies(redis_server.port) as proxy:
         store = store_on(proxy.url)  # reconciler not started yet: the order below is fixed
 
         def step(record: CallRecord) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,32 +18,24 @@ from ivr.state.resilient import ResilientCallStore
 CONTENT = {"exclude": {"version", "updated_at"}}
 
 
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    s = RedisServer()
-    s.start()
-    yield s
-    s.close()
-
-
-def resilient(server: RedisServer, **kwargs: Any) -> ResilientCallStore:
-    primary = RedisCallStore(server.url, prefix="ivr:", socket_timeout=1.0, pool_timeout=1.0)
+def resilient(redis_server: RedisServer, **kwargs: Any) -> ResilientCallStore:
+    primary = RedisCallStore(redis_server.url, prefix="ivr:", socket_timeout=1.0, pool_timeout=1.0)
     options: dict[str, Any] = {"min_backoff": 0.02, "max_backoff": 0.2} | kwargs
     return ResilientCallStore(primary, instance_id="gw-1", **options)
 
 
 @pytest.fixture
-async def store(server: RedisServer) -> AsyncIterator[ResilientCallStore]:
-    s = resilient(server)
+async def store(redis_server: RedisServer) -> AsyncIterator[ResilientCallStore]:
+    s = resilient(redis_server)
     await s.start()
     yield s
     await s.aclose()
 
 
 @pytest.fixture
-async def direct(server: RedisServer) -> AsyncIterator[RedisCallStore]:
+async def direct(redis_server: RedisServer) -> AsyncIterator[RedisCallStore]:
     """Another view of the same Redis, as a second gateway instance would have."""
-    s = RedisCallStore(server.url, prefix="ivr:", socket_timeout=1.0)
+    s = RedisCallStore(redis_server.url, prefix="ivr:", socket_timeout=1.0)
     yield s
     await s.aclose()
 
@@ -73,13 +65,13 @@ async def until(condition: Any, within: float = 10.0) -> None:
 
 
 async def test_a_call_survives_a_redis_outage_and_is_written_back(
-    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+    redis_server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
 ) -> None:
     await store.create(a_call("CA-live"))
     for i in range(3):
         await store.update("CA-live", turn(i))
     with capture_logs() as logs:
-        server.stop()
+        redis_server.stop()
         latest = None
         for i in range(3, 23):
             latest = await store.update("CA-live", turn(i))  # no exception reaches the call
@@ -91,7 +83,7 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
         assert await store.redeem_stream_token("tok-new") == "CA-new"
         during = await store.get("CA-live")
         active = {r.call_sid for r in await store.list_active(10)}
-        server.start()  # empty: no persistence, like a replacement Redis
+        redis_server.start()  # empty: no persistence, like a replacement Redis
         await until(lambda: not store.degraded)
     assert during == latest
     assert active == {"CA-live", "CA-new"} and newcomer.version == 1
@@ -117,33 +109,33 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
 
 
 async def test_a_call_ended_during_the_outage_ends_in_redis_with_its_ttl(
-    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+    redis_server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
 ) -> None:
     await store.create(a_call("CA-end"))
-    server.stop()
+    redis_server.stop()
     await store.update("CA-end", turn(1))
     await store.end("CA-end")
-    server.start()
+    redis_server.start()
     await until(lambda: not store.degraded)
     ended = await direct.get("CA-end")
     assert ended is not None and ended.status is CallStatus.ENDED and ended.node == "node-1"
     assert await direct.list_active(10) == []
-    client = aioredis.Redis.from_url(server.url)
+    client = aioredis.Redis.from_url(redis_server.url)
     ttl = await client.pttl("ivr:call:CA-end")
     await client.aclose()
     assert 86_000_000 < ttl <= 86_400_000
 
 
 async def test_our_latest_record_wins_and_the_conflict_is_counted(
-    server: RedisServer, direct: RedisCallStore
+    redis_server: RedisServer, direct: RedisCallStore
 ) -> None:
-    store = resilient(server)  # reconciler not started yet, so the race is deterministic
+    store = resilient(redis_server)  # reconciler not started yet, so the race is deterministic
     try:
         await store.create(a_call("CA-x"))
         await store.update("CA-x", turn(1))
-        server.stop()
+        redis_server.stop()
         ours = await store.update("CA-x", turn(2))
-        server.start()
+        redis_server.start()
         await direct.create(a_call("CA-x"))  # another instance wrote meanwhile
         await direct.update("CA-x", lambda r: setattr(r, "node", "theirs"))
         await store.start()
@@ -156,11 +148,11 @@ async def test_our_latest_record_wins_and_the_conflict_is_counted(
 
 
 async def test_a_redis_that_restarted_empty_between_writes_gets_the_call_back(
-    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+    redis_server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
 ) -> None:
     await store.create(a_call("CA-r"))
-    server.stop()
-    server.start()  # restarted before we noticed: nothing failed, the record is just gone
+    redis_server.stop()
+    redis_server.start()  # restarted before we noticed: nothing failed, the record is just gone
     after = await store.update("CA-r", turn(7))
     assert after.node == "node-7"
     await until(lambda: store.statistics().pending == 0)
@@ -169,38 +161,38 @@ async def test_a_redis_that_restarted_empty_between_writes_gets_the_call_back(
 
 
 async def test_the_write_queue_is_bounded_and_counts_what_it_drops(
-    server: RedisServer,
+    redis_server: RedisServer,
 ) -> None:
-    store = resilient(server, max_pending=2)
+    store = resilient(redis_server, max_pending=2)
     try:
-        server.stop()
+        redis_server.stop()
         for sid in ("CA-1", "CA-2", "CA-3"):
             await store.create(a_call(sid))
         stats = store.statistics()
     finally:
-        server.start()
+        redis_server.start()
         await store.aclose()
     assert stats.pending == 2 and stats.dropped == 1 and stats.degraded
 
 
 async def test_an_unknown_call_while_redis_is_down_is_store_unavailable(
-    server: RedisServer, store: ResilientCallStore
+    redis_server: RedisServer, store: ResilientCallStore
 ) -> None:
-    server.stop()
+    redis_server.stop()
     with pytest.raises(StoreUnavailable):
         await store.get("CA-elsewhere")
     with pytest.raises(StoreUnavailable, match="not carried"):
         await store.update("CA-elsewhere", turn(1))
-    server.start()
+    redis_server.start()
 
 
 async def test_closing_with_redis_down_gives_up_after_the_close_timeout(
-    server: RedisServer,
+    redis_server: RedisServer,
 ) -> None:
-    store = resilient(server, close_timeout=0.5)
+    store = resilient(redis_server, close_timeout=0.5)
     await store.start()
     await store.create(a_call("CA-c"))
-    server.stop()
+    redis_server.stop()
     await store.update("CA-c", turn(1))
     async with asyncio.timeout(5):
         await store.aclose()
@@ -208,17 +200,17 @@ async def test_closing_with_redis_down_gives_up_after_the_close_timeout(
 
 
 async def test_the_ended_list_while_redis_is_down_holds_this_instances_ends_and_heals(
-    server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
+    redis_server: RedisServer, store: ResilientCallStore, direct: RedisCallStore
 ) -> None:
     await store.create(a_call("CA-before"))
     await store.end("CA-before")
     assert [r.call_sid for r in await direct.list_ended(10)] == ["CA-before"]
-    server.stop()
+    redis_server.stop()
     await store.create(a_call("CA-during"))
     await store.end("CA-during")
     during = [r.call_sid for r in await store.list_ended(10)]
     assert store.degraded is True
-    server.start()  # empty: no persistence, like a replacement Redis
+    redis_server.start()  # empty: no persistence, like a replacement Redis
     await until(lambda: not store.degraded)
     assert during == ["CA-during", "CA-before"]
     # The outage's end reached the new Redis's index with its write-back.

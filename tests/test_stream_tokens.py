@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from redis_server import RedisServer
@@ -96,24 +96,18 @@ async def test_with_the_memory_store_a_token_admits_one_stream() -> None:
 # -- single use through Redis, two instances -----------------------------------------------------
 
 
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    s = RedisServer()
-    s.start()
-    yield s
-    s.close()
-
-
-def instance(server: RedisServer, name: str) -> ResilientCallStore:
-    primary = RedisCallStore(server.url, prefix="ivr:", socket_timeout=1.0, pool_timeout=1.0)
+def instance(redis_server: RedisServer, name: str) -> ResilientCallStore:
+    primary = RedisCallStore(redis_server.url, prefix="ivr:", socket_timeout=1.0, pool_timeout=1.0)
     return ResilientCallStore(
         primary, instance_id=name, min_backoff=0.02, max_backoff=0.1, budget=0.15
     )
 
 
 @pytest.fixture
-async def pair(server: RedisServer) -> AsyncIterator[tuple[ResilientCallStore, ResilientCallStore]]:
-    a, b = instance(server, "gw-a"), instance(server, "gw-b")
+async def pair(
+    redis_server: RedisServer,
+) -> AsyncIterator[tuple[ResilientCallStore, ResilientCallStore]]:
+    a, b = instance(redis_server, "gw-a"), instance(redis_server, "gw-b")
     await a.start()
     await b.start()
     yield a, b
@@ -143,35 +137,35 @@ async def test_redis_decides_single_use_even_against_the_minting_instances_copy(
 
 
 async def test_while_redis_is_down_any_instance_admits_a_genuine_token_once(
-    server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
+    redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
 ) -> None:
     a, b = pair
     tokens = StreamTokens(derive_key(SECRET))
     token = await issue(tokens, a, "CA1", planned=False)  # written to Redis
-    server.stop()
+    redis_server.stop()
     # B never saw the token; the signature is enough while Redis is away.
     assert (await admit(tokens, b, token)).call_sid == "CA1"
     assert b.degraded
     with pytest.raises(TokenRefused, match="already used"):
         await admit(tokens, b, token)
-    server.start()  # empty: a replacement Redis
+    redis_server.start()  # empty: a replacement Redis
     await until(lambda: not b.degraded)
     with pytest.raises(TokenRefused):
         await admit(tokens, a, token)
 
 
 async def test_a_spend_made_during_an_outage_is_replayed_to_redis_when_it_returns(
-    server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
+    redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
 ) -> None:
     a, b = pair
     tokens = StreamTokens(derive_key(SECRET))
     token = await issue(tokens, a, "CA1", planned=False)
-    assert server.process is not None
-    server.process.send_signal(signal.SIGSTOP)  # Redis keeps the token, but cannot answer
+    assert redis_server.process is not None
+    redis_server.process.send_signal(signal.SIGSTOP)  # Redis keeps the token, but cannot answer
     try:
         assert (await admit(tokens, b, token)).call_sid == "CA1"
     finally:
-        server.process.send_signal(signal.SIGCONT)
+        redis_server.process.send_signal(signal.SIGCONT)
     await until(lambda: not b.degraded and b.statistics().pending == 0)
     # Redis still held the token; B's recovery spent it there, so A (up all along) refuses it.
     with pytest.raises(TokenRefused, match="already used"):
@@ -179,14 +173,14 @@ async def test_a_spend_made_during_an_outage_is_replayed_to_redis_when_it_return
 
 
 async def test_a_token_minted_while_redis_was_down_is_good_once_on_its_own_instance(
-    server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
+    redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
 ) -> None:
     a, b = pair
     tokens = StreamTokens(derive_key(SECRET))
-    server.stop()
+    redis_server.stop()
     token = await issue(tokens, a, "CA1", planned=False)  # kept on A only
     assert a.degraded
-    server.start()
+    redis_server.start()
     await until(lambda: not a.degraded)
     # Redis never had it: B cannot know it was not spent elsewhere, so it refuses.
     with pytest.raises(TokenRefused):

@@ -63,6 +63,8 @@ class PicowsMediaSocket(WSListener):
         self._transport: WSTransport | None = None
         self._inbox: deque[str | bytes | None] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # Made on the loop it serves; asking asyncio per message costs a getpid() on 3.11.
+        self._loop = asyncio.get_running_loop()
         self._reading_paused = False
         self._parts: list[bytes] = []
         self._part_type = WSMsgType.TEXT
@@ -155,7 +157,7 @@ class PicowsMediaSocket(WSListener):
     async def receive(self) -> str | bytes | None:
         inbox = self._inbox
         while not inbox:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

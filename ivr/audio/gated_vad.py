@@ -22,6 +22,7 @@ import threading
 from collections import deque
 
 from ivr.audio.codec import rms16
+from ivr.audio.silero_batch import SileroBatcher
 from ivr.audio.vad import SileroVad, WebRtcVad
 
 WAKE_OVER_QUIET = 1.25
@@ -149,6 +150,7 @@ class GatedSileroVad:
         self._stuck_rms: int | None = None
         """Silero slept while the gate still said speech: the hiss level it judged not speech."""
         self._silero: SileroVad | None = None
+        self._batcher: SileroBatcher | None = None
         self._waiting = False
         """Woken, but the pool had no model ready yet."""
         self.waited_frames = 0
@@ -187,7 +189,9 @@ class GatedSileroVad:
         silero, gate = self._silero_for(frame)
         if silero is None:
             return gate
-        verdict = await silero.judge_async(frame)
+        if self._batcher is None:  # this call's loop's, for good (see SileroBatcher)
+            self._batcher = silero.batcher()
+        verdict = await silero.judge_async(frame, self._batcher)
         return self._judged(frame, gate if verdict is None else verdict, gate)
 
     def _silero_for(self, frame: bytes) -> tuple[SileroVad | None, bool]:

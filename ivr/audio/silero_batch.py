@@ -52,9 +52,16 @@ class SileroBatcher:
     the only entry point. Made by ``SileroModel.batcher()``, one per loop."""
 
     def __init__(
-        self, model: BatchModel, *, max_wait_s: float = 0.006, max_batch: int = 64
+        self,
+        model: BatchModel,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        max_wait_s: float = 0.006,
+        max_batch: int = 64,
     ) -> None:
         self._model = model
+        # Its loop, known up front: asking asyncio for it costs a getpid() syscall on 3.11.
+        self._loop = loop
         self._max_wait = max_wait_s
         self._max_batch = max_batch
         self._pending: list[_Window] = []
@@ -68,7 +75,7 @@ class SileroBatcher:
     async def predict(self, detector: object, audio: Floats, state: Floats) -> tuple[float, Floats]:
         """Speech probability of ``audio`` (a window with its context, shape (1, n); not
         touched again by the caller) and the detector's next recurrent state."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         now = time.monotonic()
         window = _Window(audio, state, loop.create_future())
         self._pending.append(window)
@@ -135,7 +142,7 @@ def batcher_for(model: BatchModel, loop: asyncio.AbstractEventLoop) -> SileroBat
     batchers = _BATCHERS.setdefault(loop, {})
     batcher = batchers.get(id(model))
     if batcher is None:
-        batcher = batchers[id(model)] = SileroBatcher(model)
+        batcher = batchers[id(model)] = SileroBatcher(model, loop=loop)
     return batcher
 
 

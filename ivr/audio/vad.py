@@ -284,13 +284,20 @@ class SileroVad:
         await self.judge_async(frame)
         return self._speaking
 
-    async def judge_async(self, frame: bytes) -> bool | None:
-        """``judge`` with the window judged in a batch with other calls' windows."""
+    def batcher(self) -> SileroBatcher:
+        """The running loop's batcher for this detector's model (a caller on one loop may
+        keep it and pass it to ``judge_async``)."""
+        return self._model.batcher()
+
+    async def judge_async(self, frame: bytes, batcher: SileroBatcher | None = None) -> bool | None:
+        """``judge`` with the window judged in a batch with other calls' windows (by
+        ``batcher``, this loop's: by default looked up per window)."""
         window = self._take(frame)
         if window is None:
             return self._speaking
         try:
-            prob, state = await self._model.batcher().predict(self, window, self._state)
+            batcher = batcher or self._model.batcher()
+            prob, state = await batcher.predict(self, window, self._state)
         except Exception as exc:  # as in judge
             self._failed(exc)
             return None

@@ -54,8 +54,8 @@ class SileroBatcher:
     def __init__(
         self,
         model: BatchModel,
+        loop: asyncio.AbstractEventLoop,
         *,
-        loop: asyncio.AbstractEventLoop | None = None,
         max_wait_s: float = 0.006,
         max_batch: int = 64,
     ) -> None:
@@ -75,20 +75,20 @@ class SileroBatcher:
     async def predict(self, detector: object, audio: Floats, state: Floats) -> tuple[float, Floats]:
         """Speech probability of ``audio`` (a window with its context, shape (1, n); not
         touched again by the caller) and the detector's next recurrent state."""
-        loop = self._loop or asyncio.get_running_loop()
+        loop = self._loop
         now = time.monotonic()
         window = _Window(audio, state, loop.create_future())
         self._pending.append(window)
-        if len(self._pending) >= self._expected(id(detector), now):
+        if len(self._pending) >= self._heard_from(id(detector), now):
             self._due = True
             self._send()
         elif self._timer is None:
             self._timer = loop.call_later(self._max_wait, self._wait_over)
         return await window.result
 
-    def _expected(self, detector: int, now: float) -> int:
-        """How many windows a batch waits for: one from each detector heard from lately
-        (``detector`` sends one now)."""
+    def _heard_from(self, detector: int, now: float) -> int:
+        """Note that ``detector`` sends a window now; how many windows a batch waits for: one
+        from each detector heard from lately."""
         recent = self._recent  # oldest first: a detector moves to the end when it sends
         recent.pop(detector, None)
         recent[detector] = now
@@ -142,7 +142,7 @@ def batcher_for(model: BatchModel, loop: asyncio.AbstractEventLoop) -> SileroBat
     batchers = _BATCHERS.setdefault(loop, {})
     batcher = batchers.get(id(model))
     if batcher is None:
-        batcher = batchers[id(model)] = SileroBatcher(model, loop=loop)
+        batcher = batchers[id(model)] = SileroBatcher(model, loop)
     return batcher
 
 

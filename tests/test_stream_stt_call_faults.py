@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import time
+import wave
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from structlog.testing import capture_logs
 from structlog.typing import EventDict, WrappedLogger
 
 from ivr.audio.codec import ulaw_to_pcm16
+from ivr.audio.wav import wav_to_pcm16
 from ivr.errors import ProviderError
 from ivr.stt.build import build_stt
 from ivr.testing.deepgram_server import FakeDeepgramServer
@@ -115,6 +118,29 @@ async def test_a_refusing_streaming_stt_fails_over_to_the_batch_stt_and_the_call
     assert len(uploads) == 1, "the turn's audio, uploaded once (none at the call's end)"
     assert uploads[0].time < asked
     assert answered(report) < HEARD_WITHIN
+
+
+async def test_the_batch_fallback_uploads_the_turn_not_the_sounds_before_it(
+    fake_openai: FakeOpenAIServer, dg: FakeDeepgramServer, tmp_path: Path
+) -> None:
+    """Failed over to the batch STT, a turn's upload is its utterance (pre-roll, speech, the
+    endpoint's silence), not the greeting's silence nor a sound the caller made before."""
+    dg.faults = [WsFault(refuse=401)] * 3
+    fake_openai.transcripts.append(SAID)
+    knock = tmp_path / "knock.wav"
+    with wave.open(str(knock), "wb") as out:
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(8000)
+        out.writeframes(ulaw_to_pcm16(tone(0.5, hz=700)))
+    fallback = {"stt_fallback_base_url": fake_openai.base_url, "stt_fallback_api_key": "sk-test"}
+    lines = [{"wav": str(knock), "wait": False}, {"silence": 2.0}, "What are your opening hours?"]
+    report = await call(fake_openai, {**deepgram(dg), **fallback}, lines)
+    assert not report.errors, report.format_transcript()
+    assert user_said(fake_openai) == [SAID]
+    (upload,) = fake_openai.requests_for("transcriptions")
+    wav = wav_to_pcm16(upload.files["file"])
+    seconds = len(wav.pcm16) / 2 / wav.sample_rate
+    print(f"\nthe turn's upload: {seconds:.2f} s")
+    assert 1.2 < seconds < 2.6, "the utterance alone: no knock, no 2 s of silence before it"
 
 
 # -- 4. the per-utterance mode (not a call) --------------------------------------------------

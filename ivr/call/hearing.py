@@ -160,7 +160,8 @@ class Hearing:
         speech_end = now - max(0.0, stream_now - event.t_end_of_speech)
         timings = TurnTimings(speech_end=speech_end, endpoint=now)
         if self._live is not None:
-            self._live.turn_ended(timings, event.t_end_of_speech, self.speculation.take())
+            start = event.t_detected - len(event.audio) / 16000  # PCM16 at 8 kHz
+            self._live.turn_ended(timings, start, event.t_end_of_speech, self.speculation.take())
             return
         pending = _PendingUtterance(event.audio, timings)
         pending.speculative = self.speculation.take()  # no speech since that pause: same words

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ BYTES_PER_SECOND = 8000
 @dataclass(slots=True)
 class _LiveTurn:
     timings: TurnTimings
+    start: float
+    """Stream seconds where the utterance's audio (pre-roll included) starts."""
     end: float
     """Stream seconds (from the first audio pushed) where the caller stopped."""
     speculative: asyncio.Task[str] | None
@@ -101,6 +104,9 @@ class LiveHearing:
         self._offset = 0.0
         """Stream second where the open session's own clock starts."""
         self._turns: asyncio.Queue[_LiveTurn] = asyncio.Queue(TURN_QUEUE_SIZE)
+        self._unfinalised: deque[float] = deque()
+        """Where each turn not finalised yet starts (stream seconds), oldest first: no audio
+        from there on may be forgotten."""
         self._busy = 0
         self._flush: asyncio.Future[None] | None = None
 
@@ -127,18 +133,40 @@ class LiveHearing:
         return stream_time - (self._origin if self._origin is not None else stream_time)
 
     def turn_ended(
-        self, timings: TurnTimings, end_of_speech: float, speculative: asyncio.Task[str] | None
+        self,
+        timings: TurnTimings,
+        start: float,
+        end_of_speech: float,
+        speculative: asyncio.Task[str] | None,
     ) -> None:
-        turn = _LiveTurn(timings, self.second(end_of_speech), speculative)
+        """The caller's turn: its audio from stream time ``start`` to ``end_of_speech``."""
+        turn = _LiveTurn(timings, self.second(start), self.second(end_of_speech), speculative)
         if self._turns.full():
             metrics.INBOUND_DROPPED.inc()
-            self._turns.get_nowait()
+            self._unfinalised.remove(self._turns.get_nowait().start)
         self._turns.put_nowait(turn)
+        self._unfinalised.append(turn.start)
 
     def no_turn(self, end: float) -> None:
         """The sound the endpointer closed at stream time ``end`` is no turn (echo, noise, too
-        short): words about audio up to there are dropped."""
+        short): words about audio up to there are dropped, and so is the audio itself where
+        the session keeps it for an upload (a batch fallback)."""
         self.words.drop_through(self.second(end))
+        self._forget_through(self.second(end))
+
+    def _forget_through(self, t: float) -> None:
+        """The audio before stream second ``t`` holds no words to wait for (never a turn's
+        that is not finalised yet)."""
+        if self._unfinalised:
+            t = min(t, self._unfinalised[0])
+        session = self._session
+        if session is not None:
+            session.forget_through(t - self._offset)
+            return
+        cut = min(len(self._backlog), int((t - self._backlog_start) * BYTES_PER_SECOND))
+        if cut > 0:
+            del self._backlog[:cut]
+            self._backlog_start += cut / BYTES_PER_SECOND
 
     def pending(self) -> bool:
         """A turn's words are being, or wait to be, finalised."""
@@ -206,6 +234,7 @@ class LiveHearing:
                 utterance = await self._transcribe(turn)
             finally:
                 self._busy -= 1
+                self._unfinalised.remove(turn.start)
             await self._floor.deliver(utterance)
 
     async def _transcribe(self, turn: _LiveTurn) -> Utterance | NotUnderstood:
@@ -234,6 +263,7 @@ class LiveHearing:
                 session = self._session
                 assert session is not None
                 self._flush = asyncio.get_running_loop().create_future()
+                self._forget_through(turn.start)  # a batch fallback uploads the turn alone
                 session.finalize()
                 await self._flush
         except TimeoutError:

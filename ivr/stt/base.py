@@ -141,6 +141,13 @@ class SpeechToTextSession(Protocol):
         last ``FinalWords``. Never blocks."""
         ...
 
+    def forget_through(self, seconds: float) -> None:
+        """The audio pushed up to ``seconds`` (the session's clock) holds no words the caller
+        is waiting for: a sound that was no turn, or what came before the utterance about to
+        be finalised. A session that keeps audio to upload it later (a batch fallback) drops
+        it; a streaming one has sent it already, and its words carry times. Never blocks."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[SttStreamEvent]:
         """Interim and final words and turn hints, as they come."""
         ...

@@ -156,6 +156,9 @@ class LiveSttSession:
             self._closing = True
             self.finalize()
 
+    def forget_through(self, seconds: float) -> None:
+        """Nothing to forget: the audio went out as it came (its words carry times)."""
+
     def _answer_by(self) -> float | None:
         """When the finalize in progress is settled without the provider's answer (None: no
         finalize in progress)."""

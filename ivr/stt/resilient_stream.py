@@ -3,9 +3,11 @@ keeps the audio no final words have settled yet (at most ``REPLAY_SECONDS``); wh
 provider's session fails it reconnects to the same provider (a retryable error, at most
 ``RECONNECTS`` times a call) or fails over to the next, of any kind: another streaming
 provider, or a batch one (``BatchSttStream``: the OpenAI-compatible upload, the offline
-whisper) that transcribes the replayed audio at each ``finalize()``. The replay makes the new
-session hear the unsettled utterance again, so what is lost is time (the handshake, and the
-provider hearing it again), plus any audio older than ``REPLAY_SECONDS`` not yet final.
+whisper) that transcribes, at each ``finalize()``, the audio since the last one less what the
+gateway ruled out (``forget_through``: a sound that was no turn, what came before the turn).
+The replay makes the new session hear the unsettled utterance again, so what is lost is time
+(the handshake, and the provider hearing it again), plus any audio older than
+``REPLAY_SECONDS`` not yet final.
 Times stay in the call's clock: the new session's are shifted by where its replay starts.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
@@ -118,6 +121,15 @@ class ResilientSttSession:
         if self._session is not None:
             self._session.end_input()
 
+    def forget_through(self, seconds: float) -> None:
+        """Also from the replay: a new provider need not hear a sound that was no turn."""
+        if seconds > self._replay_start:
+            cut = min(len(self._replay), int((seconds - self._replay_start) * BYTES_PER_SECOND))
+            del self._replay[:cut]
+            self._replay_start += cut / BYTES_PER_SECOND
+        if self._session is not None and seconds > self._offset:
+            self._session.forget_through(seconds - self._offset)
+
     async def __aiter__(self) -> AsyncIterator[SttStreamEvent]:
         while True:
             assert self._session is not None
@@ -193,37 +205,56 @@ class BatchSttStream:
 
 
 class BatchSttSession:
+    """Each ``finalize()`` takes the audio kept since the last one and uploads it; the audio
+    kept is at most ``REPLAY_SECONDS``, and none that ``forget_through`` ruled out (a sound
+    that was no turn, the silence before the utterance): a batch STT hears only the turn,
+    where a streaming one hears everything and times its words."""
+
     def __init__(self, stt: SpeechToText) -> None:
         self._stt = stt
         self._audio = bytearray()
+        self._audio_start = 0.0
+        """Session seconds where ``_audio`` starts."""
         self._pushed = 0.0
-        self._asks: list[bool] = []  # finalize (False) / end_input (True), in order
+        self._asks: deque[tuple[bytes, float] | None] = deque()
+        """Each finalize's audio and where it ends, in order; None: the input ended."""
         self._asked = asyncio.Event()
 
     def push(self, audio: bytes) -> None:
         self._audio += audio
         self._pushed += len(audio) / BYTES_PER_SECOND
+        excess = len(self._audio) - int(REPLAY_SECONDS * BYTES_PER_SECOND)
+        if excess > 0:
+            self.forget_through(self._audio_start + excess / BYTES_PER_SECOND)
 
     def finalize(self) -> None:
-        self._asks.append(False)
+        # Taken now: audio pushed after this belongs to the next utterance.
+        self._asks.append((bytes(self._audio), self._pushed))
+        self._audio_start, self._audio = self._pushed, bytearray()
         self._asked.set()
 
     def end_input(self) -> None:
-        self._asks.append(True)
+        self._asks.append(None)
         self._asked.set()
+
+    def forget_through(self, seconds: float) -> None:
+        cut = min(len(self._audio), int((seconds - self._audio_start) * BYTES_PER_SECOND))
+        if cut > 0:
+            del self._audio[:cut]
+            self._audio_start += cut / BYTES_PER_SECOND
 
     async def __aiter__(self) -> AsyncIterator[SttStreamEvent]:
         while True:
             await self._asked.wait()
             self._asked.clear()
             while self._asks:
-                last = self._asks.pop(0)
-                audio, self._audio = bytes(self._audio), bytearray()
-                # At the end of input (the call is over) nobody waits for words: no upload.
-                text = "" if last or not audio else await self._transcribe(audio)
-                yield FinalWords(text, audio_end=self._pushed, flushed=True)
-                if last:
+                ask = self._asks.popleft()
+                if ask is None:  # the call is over: nobody waits for words, no upload
+                    yield FinalWords("", audio_end=self._pushed, flushed=True)
                     return
+                audio, end = ask
+                text = await self._transcribe(audio) if audio else ""
+                yield FinalWords(text, audio_end=end, flushed=True)
 
     async def _transcribe(self, ulaw: bytes) -> str:
         pcm = resample(ulaw_to_pcm16(ulaw), 8000, self._stt.sample_rate)
@@ -231,3 +262,4 @@ class BatchSttSession:
 
     async def aclose(self) -> None:
         self._audio.clear()
+        self._asks.clear()

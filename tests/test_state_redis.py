@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
-from redis_server import LOCAL_REDIS_URL, free_port
+from redis_server import LOCAL_REDIS_URL, RedisServer, free_port
 
 from ivr.state.admin import admin_router
 from ivr.state.base import CallRecord, CorruptRecord, StoreUnavailable, apply_mutation
@@ -100,6 +100,53 @@ async def test_two_processes_updating_one_call_lose_no_update(
     final = await store.get("CA-race")
     assert final is not None
     assert final.variables["n"] == 400 and final.version == 401
+
+
+async def calls_of(client: aioredis.Redis) -> dict[str, int]:
+    """Commands the server has run, by name (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+
+
+async def test_a_call_this_store_wrote_is_updated_in_one_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    """A turn's state save is on the caller's critical path: no read before the write while
+    the record is the one this store last wrote (a private server, so every command counts)."""
+    store = RedisCallStore(redis_server.url)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.create(a_call())
+        await store.update("CA0001", bump)  # a new server loads the script (EVAL) once
+        before = await calls_of(client)
+        for _ in range(3):
+            await store.update("CA0001", bump)
+        after = await calls_of(client)
+        final = await store.get("CA0001")
+    finally:
+        await store.aclose()
+        await client.aclose()
+    ran = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    ran.pop("info", None)
+    # The script's own GET, SET and ZADD count too: a read before it would make "get" 6.
+    assert ran == {"evalsha": 3, "get": 3, "set": 3, "zadd": 3}, ran
+    assert final is not None and final.variables == {"n": 4} and final.version == 5
+
+
+async def test_a_call_changed_elsewhere_is_read_again_even_at_the_same_version(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    """What this store remembers is only a guess: Redis restarted empty and the call written
+    back by another instance holds the same version with other content. The update must build
+    on that content (a version check alone would have written the stale copy over it)."""
+    await store.create(a_call())
+    key = store.keys.call_key("CA0001")
+    other = json.loads(await raw.get(key))
+    other["variables"] = {"n": 10, "written": "elsewhere"}
+    await raw.set(key, json.dumps(other))  # the same version 1, other content
+    updated = await store.update("CA0001", bump)
+    assert updated.variables == {"n": 11, "written": "elsewhere"} and updated.version == 2
+    assert json.loads(await raw.get(key))["variables"] == updated.variables
 
 
 async def test_an_unreachable_redis_raises_store_unavailable_quickly() -> None:

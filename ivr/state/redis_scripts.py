@@ -43,6 +43,8 @@ return 1
 # ARGV: expected version, new json, ttl ms, live ('1'/'0'), score (updated_at if live, else
 # ended_at), sid, ended index cutoff (epoch s), resend ('1'/'0'), and the SHA-1 of the JSON
 # the writer based its change on ('' when it read the record just now: the version decides).
+# The SHA-1 spares the script decoding the record: 180 us a call in Redis for a talking
+# call's record, against ~10 for the hash.
 # Returns -1 missing, 0 version conflict, 1 written, 2 this exact write is already stored (a
 # resend after a lost reply must not apply the mutation twice). Only a resend may take the
 # same JSON as its own: two writers can produce identical records (same base, same mutation,
@@ -51,8 +53,9 @@ UPDATE = Lua("""
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
 if ARGV[8] == '1' and cur == ARGV[2] then return 2 end
-if ARGV[9] ~= '' and redis.sha1hex(cur) ~= ARGV[9] then return 0 end
-if cjson.decode(cur)['version'] ~= tonumber(ARGV[1]) then return 0 end
+if ARGV[9] ~= '' then
+  if redis.sha1hex(cur) ~= ARGV[9] then return 0 end
+elseif cjson.decode(cur)['version'] ~= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 if #KEYS > 1 then
   if ARGV[4] == '1' then

@@ -52,6 +52,9 @@ class CallerInputs:
         if not self._queue.empty():
             return self._queue.get_nowait()
         try:
-            return await asyncio.wait_for(self._queue.get(), max(0.0, wait))
+            # Not wait_for: on Python 3.11 it runs the get in a task of its own, one more hop
+            # through a busy loop between the caller's words and the flow, every turn.
+            async with asyncio.timeout(max(0.0, wait)):
+                return await self._queue.get()
         except TimeoutError:
             return self._queue.get_nowait() if not self._queue.empty() else None

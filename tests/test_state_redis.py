@@ -149,6 +149,28 @@ async def test_a_call_changed_elsewhere_is_read_again_even_at_the_same_version(
     assert json.loads(await raw.get(key))["variables"] == updated.variables
 
 
+async def test_a_change_refused_on_the_remembered_copy_is_judged_again_on_a_read(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    """A mutator may refuse (raise) on what it sees: on a copy that is out of date it must get
+    to see the record Redis holds before its refusal counts."""
+    await store.create(a_call())
+    key = store.keys.call_key("CA0001")
+    other = json.loads(await raw.get(key))
+    other["variables"] = {"ready": True}
+    await raw.set(key, json.dumps(other))  # changed elsewhere; this store remembers the old
+
+    def only_when_ready(record: CallRecord) -> None:
+        if not record.variables.get("ready"):
+            raise RuntimeError("not ready")
+        record.variables["done"] = True
+
+    updated = await store.update("CA0001", only_when_ready)
+    assert updated.variables == {"ready": True, "done": True}
+    with pytest.raises(RuntimeError, match="not ready"):  # a real refusal still stands
+        await store.update("CA0001", lambda r: (r.variables.clear(), only_when_ready(r)))
+
+
 async def test_an_unreachable_redis_raises_store_unavailable_quickly() -> None:
     store = RedisCallStore(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1.0)
     started = time.monotonic()

@@ -150,36 +150,40 @@ class RedisCallStore:
         # the read is what finds a failed-over slot's new master before the write goes.
         if known is not None and not self.cluster:
             base = CallRecord.from_json(known, self.keys.call_key(call_sid))
-            written = await self._try_update(base, mutate, based_on=known)
-            if written is not None:
-                return written
+            expected = base.version  # before the in-place mutation bumps it
+            try:
+                stored, raw = apply_mutation(base, mutate, owned=True)
+            except Exception:  # judged on a copy that may be stale: judged again on a read
+                pass
+            else:
+                if await self._write(expected, stored, raw, based_on=known):
+                    return stored
         for attempt in range(self.max_attempts):
             current = await self.get(call_sid)
             if current is None:
                 raise CallNotFound(call_sid)
-            written = await self._try_update(current, mutate)
-            if written is not None:
-                return written
+            expected = current.version
+            stored, raw = apply_mutation(current, mutate, owned=True)
+            if await self._write(expected, stored, raw):
+                return stored
             # Lost the race: back off a little (jittered) so the writers interleave.
             await asyncio.sleep(random.uniform(0, 0.001 * min(attempt + 1, 20)))
         raise UpdateConflict(call_sid, self.max_attempts)
 
-    async def _try_update(
-        self, current: CallRecord, mutate: Mutator, *, based_on: str | bytes | None = None
-    ) -> CallRecord | None:
-        """``mutate`` applied to ``current`` and written if Redis still holds ``current``: its
-        version, or (``based_on``) exactly that JSON. None: it changed meanwhile."""
-        expected = current.version  # read before the in-place mutation bumps it
-        stored, raw = apply_mutation(current, mutate, owned=True)
+    async def _write(
+        self, expected: int, stored: CallRecord, raw: str, *, based_on: str | bytes | None = None
+    ) -> bool:
+        """Store ``stored`` if Redis still holds version ``expected`` (or, ``based_on``,
+        exactly that JSON); False: it changed meanwhile."""
         outcome = await self._compare_and_set(expected, stored, raw, fresh=True, based_on=based_on)
         if outcome == -1:
             self._known.pop(stored.call_sid, None)
             raise CallNotFound(stored.call_sid)
         if outcome == 0:
-            return None
+            return False
         self._know(stored, raw)
         await self._index(stored)
-        return stored
+        return True
 
     async def _compare_and_set(
         self,

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import structlog
 
 from ivr.audio.endpointer import Endpointer
+from ivr.audio.timed_audio import BYTES_PER_SECOND, TimedAudio
 from ivr.call.barge_in import Floor
-from ivr.call.heard import not_understood, words_heard
+from ivr.call.heard import TurnsToHear, not_understood, words_heard
 from ivr.call.inputs import NotUnderstood
 from ivr.call.live_words import LiveWords, same_words
 from ivr.call.pause_turns import TurnSpeculation
 from ivr.call.speaking import Speaker
-from ivr.call.speech import HEARD_MARGIN
+from ivr.call.speech import heard_deadline
 from ivr.call.turn_hints import TurnHints
 from ivr.call.turns import TurnTimings
 from ivr.callio.io import Utterance
@@ -57,7 +58,6 @@ BACKLOG_SECONDS = 5.0
 """Audio kept while no session is open (connecting): pushed to it when it opens."""
 END_GRACE = 0.5
 """Seconds the call's end waits for the provider to close the session cleanly."""
-BYTES_PER_SECOND = 8000
 
 
 @dataclass(slots=True)
@@ -99,15 +99,14 @@ class LiveHearing:
         self._origin: float | None = None
         """Twilio's stream time of the first payload: stream second 0."""
         self._pushed = 0.0
-        self._backlog = bytearray()
-        self._backlog_start = 0.0
+        self._backlog = TimedAudio(BACKLOG_SECONDS)
+        """What was heard while no session was open, for the next one."""
         self._offset = 0.0
         """Stream second where the open session's own clock starts."""
-        self._turns: asyncio.Queue[_LiveTurn] = asyncio.Queue(TURN_QUEUE_SIZE)
+        self._turns: TurnsToHear[_LiveTurn] = TurnsToHear(TURN_QUEUE_SIZE)
         self._unfinalised: deque[float] = deque()
         """Where each turn not finalised yet starts (stream seconds), oldest first: no audio
         from there on may be forgotten."""
-        self._busy = 0
         self._flush: asyncio.Future[None] | None = None
 
     # -- from Hearing (the receive loop; never blocks) -------------------------------------
@@ -119,13 +118,7 @@ class LiveHearing:
         if session is not None:
             session.push(ulaw)
         else:
-            if not self._backlog:
-                self._backlog_start = self._pushed
-            self._backlog += ulaw
-            excess = len(self._backlog) - int(BACKLOG_SECONDS * BYTES_PER_SECOND)
-            if excess > 0:
-                del self._backlog[:excess]
-                self._backlog_start += excess / BYTES_PER_SECOND
+            self._backlog.push(ulaw, self._pushed)
         self._pushed += len(ulaw) / BYTES_PER_SECOND
 
     def second(self, stream_time: float) -> float:
@@ -141,10 +134,8 @@ class LiveHearing:
     ) -> None:
         """The caller's turn: its audio from stream time ``start`` to ``end_of_speech``."""
         turn = _LiveTurn(timings, self.second(start), self.second(end_of_speech), speculative)
-        if self._turns.full():
-            metrics.INBOUND_DROPPED.inc()
-            self._unfinalised.remove(self._turns.get_nowait().start)
-        self._turns.put_nowait(turn)
+        if (dropped := self._turns.put(turn)) is not None:
+            self._unfinalised.remove(dropped.start)
         self._unfinalised.append(turn.start)
 
     def no_turn(self, end: float) -> None:
@@ -163,14 +154,11 @@ class LiveHearing:
         if session is not None:
             session.forget_through(t - self._offset)
             return
-        cut = min(len(self._backlog), int((t - self._backlog_start) * BYTES_PER_SECOND))
-        if cut > 0:
-            del self._backlog[:cut]
-            self._backlog_start += cut / BYTES_PER_SECOND
+        self._backlog.drop_through(t)
 
     def pending(self) -> bool:
         """A turn's words are being, or wait to be, finalised."""
-        return self._busy > 0 or not self._turns.empty()
+        return self._turns.pending()
 
     # -- the call's STT task ----------------------------------------------------------------
 
@@ -188,10 +176,9 @@ class LiveHearing:
                 log.warning("stt.stream_open_failed", error=str(exc), kind=exc.kind.value)
                 await asyncio.sleep(REOPEN_AFTER)
                 continue
-            self._offset = self._backlog_start if self._backlog else self._pushed
+            self._offset = self._backlog.start if self._backlog else self._pushed
             if self._backlog:
-                session.push(bytes(self._backlog))
-                self._backlog.clear()
+                session.push(self._backlog.take())
             self._session = session
             self._ready.set()
             try:
@@ -227,15 +214,9 @@ class LiveHearing:
             flush.exception()  # retrieved here: the turn may have given up on it already
 
     async def _run_turns(self) -> None:
-        while True:
-            turn = await self._turns.get()
-            self._busy += 1
-            try:
-                utterance = await self._transcribe(turn)
-            finally:
-                self._busy -= 1
-                self._unfinalised.remove(turn.start)
-            await self._floor.deliver(utterance)
+        await self._turns.serve(
+            self._transcribe, self._floor.deliver, lambda turn: self._unfinalised.remove(turn.start)
+        )
 
     async def _transcribe(self, turn: _LiveTurn) -> Utterance | NotUnderstood:
         timings = turn.timings
@@ -253,7 +234,7 @@ class LiveHearing:
         """Every word of the turn final: ``finalize()`` and its flushed answer, within the
         turn's deadline (raises ``ProviderTimeout`` past it, ``ProviderError`` when the
         session fails meanwhile)."""
-        deadline = self._deadline_of(turn.timings)
+        deadline = heard_deadline(turn.timings, self._heard_within)
         limit = FINAL_WORDS_LIMIT if deadline is None else max(0.0, deadline - self._clock())
         if self.words.settled_through(turn.end):
             return self.words.take(turn.end)  # the provider's own end came first: no wait
@@ -271,12 +252,6 @@ class LiveHearing:
         finally:
             self._flush = None
         return self.words.take(turn.end)
-
-    def _deadline_of(self, timings: TurnTimings) -> float | None:
-        """When the words must be in for a failure's re-ask to be heard in time (None: off)."""
-        if self._heard_within is None:
-            return None
-        return timings.speech_end + self._heard_within - HEARD_MARGIN
 
     async def aclose(self) -> None:
         """The call is over: no more input; the provider's last words are let in (briefly),

@@ -22,6 +22,7 @@ import structlog
 
 from ivr.audio.codec import ulaw_to_pcm16
 from ivr.audio.resample import resample
+from ivr.audio.timed_audio import BYTES_PER_SECOND, TimedAudio
 from ivr.errors import ProviderError
 from ivr.obs.metrics import count_provider_error
 from ivr.providers.resilience import RetryPolicy, WarmChain, aclose_stream, first_output
@@ -40,7 +41,6 @@ log = structlog.get_logger("ivr.stt")
 
 REPLAY_SECONDS = 30.0
 RECONNECTS = 3
-BYTES_PER_SECOND = 8000  # the phone's mu-law
 
 
 class ResilientStreamingStt(WarmChain[StreamingSpeechToText]):
@@ -68,8 +68,8 @@ class ResilientSttSession:
         self._owner = owner
         self._index = 0
         self._session: SpeechToTextSession | None = None
-        self._replay = bytearray()
-        self._replay_start = 0.0  # call seconds where the replay (and the session's clock) starts
+        self._replay = TimedAudio(REPLAY_SECONDS)
+        """The unsettled audio; where it starts, a new session's clock starts."""
         self._offset = 0.0
         self._pushed = 0.0
         self._finalizing = False
@@ -89,9 +89,9 @@ class ResilientSttSession:
         finally:
             await aclose_stream(opened)
         assert self._session is not None
-        self._offset = self._replay_start
+        self._offset = self._replay.start
         if self._replay:
-            self._session.push(bytes(self._replay))
+            self._session.push(self._replay.audio())
         if self._ended:
             self._session.end_input()
         elif self._finalizing:
@@ -102,12 +102,8 @@ class ResilientSttSession:
         return self._owner.providers[self._index].name
 
     def push(self, audio: bytes) -> None:
-        self._replay += audio
+        self._replay.push(audio, self._pushed)
         self._pushed += len(audio) / BYTES_PER_SECOND
-        excess = len(self._replay) - int(REPLAY_SECONDS * BYTES_PER_SECOND)
-        if excess > 0:
-            del self._replay[:excess]
-            self._replay_start += excess / BYTES_PER_SECOND
         if self._session is not None:
             self._session.push(audio)
 
@@ -123,10 +119,7 @@ class ResilientSttSession:
 
     def forget_through(self, seconds: float) -> None:
         """Also from the replay: a new provider need not hear a sound that was no turn."""
-        if seconds > self._replay_start:
-            cut = min(len(self._replay), int((seconds - self._replay_start) * BYTES_PER_SECOND))
-            del self._replay[:cut]
-            self._replay_start += cut / BYTES_PER_SECOND
+        self._replay.drop_through(seconds)
         if self._session is not None and seconds > self._offset:
             self._session.forget_through(seconds - self._offset)
 
@@ -153,10 +146,8 @@ class ResilientSttSession:
         if event.flushed:
             self._finalizing = False
             end = self._pushed if end is None else end
-        if end is not None and end > self._replay_start:
-            cut = min(len(self._replay), int((end - self._replay_start) * BYTES_PER_SECOND))
-            del self._replay[:cut]
-            self._replay_start += cut / BYTES_PER_SECOND
+        if end is not None:
+            self._replay.drop_through(end)
         return dataclasses.replace(event, words=words, audio_end=end)
 
     async def _recover(self, error: ProviderError) -> None:
@@ -173,7 +164,7 @@ class ResilientSttSession:
             "provider.reconnect" if same else "provider.fallback", stage="stt",
             provider=error.provider, kind=error.kind.value, error=str(error),
             next_provider=self._owner.providers[start].name,
-            replayed_s=round(len(self._replay) / BYTES_PER_SECOND, 2),
+            replayed_s=round(self._replay.seconds, 2),
         )  # fmt: skip
         await self.connect(start, self._owner.policy)
 
@@ -212,25 +203,20 @@ class BatchSttSession:
 
     def __init__(self, stt: SpeechToText) -> None:
         self._stt = stt
-        self._audio = bytearray()
-        self._audio_start = 0.0
-        """Session seconds where ``_audio`` starts."""
+        self._audio = TimedAudio(REPLAY_SECONDS)
+        """The next upload, in session seconds."""
         self._pushed = 0.0
         self._asks: deque[tuple[bytes, float] | None] = deque()
         """Each finalize's audio and where it ends, in order; None: the input ended."""
         self._asked = asyncio.Event()
 
     def push(self, audio: bytes) -> None:
-        self._audio += audio
+        self._audio.push(audio, self._pushed)
         self._pushed += len(audio) / BYTES_PER_SECOND
-        excess = len(self._audio) - int(REPLAY_SECONDS * BYTES_PER_SECOND)
-        if excess > 0:
-            self.forget_through(self._audio_start + excess / BYTES_PER_SECOND)
 
     def finalize(self) -> None:
         # Taken now: audio pushed after this belongs to the next utterance.
-        self._asks.append((bytes(self._audio), self._pushed))
-        self._audio_start, self._audio = self._pushed, bytearray()
+        self._asks.append((self._audio.take(), self._pushed))
         self._asked.set()
 
     def end_input(self) -> None:
@@ -238,10 +224,7 @@ class BatchSttSession:
         self._asked.set()
 
     def forget_through(self, seconds: float) -> None:
-        cut = min(len(self._audio), int((seconds - self._audio_start) * BYTES_PER_SECOND))
-        if cut > 0:
-            del self._audio[:cut]
-            self._audio_start += cut / BYTES_PER_SECOND
+        self._audio.drop_through(seconds)
 
     async def __aiter__(self) -> AsyncIterator[SttStreamEvent]:
         while True:
@@ -261,5 +244,5 @@ class BatchSttSession:
         return (await self._stt.transcribe(pcm)).text
 
     async def aclose(self) -> None:
-        self._audio.clear()
+        self._audio.take()
         self._asks.clear()

@@ -31,12 +31,12 @@ from ivr.audio.endpointer import (
 )
 from ivr.audio.resample import resample
 from ivr.call.barge_in import Floor
-from ivr.call.heard import not_understood, words_heard
+from ivr.call.heard import TurnsToHear, not_understood, words_heard
 from ivr.call.inputs import NotUnderstood
 from ivr.call.live_hearing import LiveHearing
 from ivr.call.pause_turns import TurnSpeculation
 from ivr.call.speaking import Speaker
-from ivr.call.speech import HEARD_MARGIN
+from ivr.call.speech import heard_deadline
 from ivr.call.turns import TurnTimings
 from ivr.callio.io import Utterance
 from ivr.errors import ProviderError, ProviderTimeout
@@ -88,8 +88,7 @@ class Hearing:
         self.speculation = speculation
         self._heard_within = heard_within
         self._clock = clock
-        self._stt_queue: asyncio.Queue[_PendingUtterance] = asyncio.Queue(STT_QUEUE_SIZE)
-        self._stt_busy = 0
+        self._turns: TurnsToHear[_PendingUtterance] = TurnsToHear(STT_QUEUE_SIZE)
         self._pcm_tail = b""
         self._audio_taps: list[Callable[[bytes], None]] = []
         self._frame_end = 0.0
@@ -165,15 +164,12 @@ class Hearing:
             return
         pending = _PendingUtterance(event.audio, timings)
         pending.speculative = self.speculation.take()  # no speech since that pause: same words
-        if self._stt_queue.full():
-            metrics.INBOUND_DROPPED.inc()
-            self._stt_queue.get_nowait()
-        self._stt_queue.put_nowait(pending)
+        self._turns.put(pending)
 
     def stt_pending(self) -> bool:
         """Speech that ended is being, or waits to be, transcribed."""
         live = self._live is not None and self._live.pending()
-        return live or self._stt_busy > 0 or not self._stt_queue.empty()
+        return live or self._turns.pending()
 
     # -- STT worker (run in the call's task group) ----------------------------------------
 
@@ -181,14 +177,7 @@ class Hearing:
         if self._live is not None:
             await self._live.run()
             return
-        while True:
-            pending = await self._stt_queue.get()
-            self._stt_busy += 1
-            try:
-                utterance = await self._transcribe(pending)
-            finally:
-                self._stt_busy -= 1
-            await self._floor.deliver(utterance)
+        await self._turns.serve(self._transcribe, self._floor.deliver)
 
     async def _speculated_text(self, pending: _PendingUtterance) -> str | None:
         """The transcript asked for at the caller's pause, once it is in; None if it failed
@@ -198,7 +187,7 @@ class Hearing:
             return None
         # The request was sent without the turn's deadline (nobody knew the turn yet): hold
         # it to that deadline now, as a request sent at the endpoint would be.
-        deadline = self._deadline_of(pending.timings)
+        deadline = heard_deadline(pending.timings, self._heard_within)
         limit = None if deadline is None else max(0.0, deadline - self._clock())
         try:
             text = await asyncio.wait_for(asyncio.shield(task), limit)
@@ -235,7 +224,7 @@ class Hearing:
         timings = pending.timings
         timings.stt_start = self._clock()
         audio = resample(pending.pcm16_8k, 8000, self._stt.sample_rate)
-        deadline = self._deadline_of(timings)
+        deadline = heard_deadline(timings, self._heard_within)
         if deadline is not None:  # see SpeechHandle: the same deadline, for STT
             turn_deadline.set(deadline)
         result = await self._stt.transcribe(audio)
@@ -244,9 +233,3 @@ class Hearing:
     async def aclose(self) -> None:
         if self._live is not None:
             await self._live.aclose()
-
-    def _deadline_of(self, timings: TurnTimings) -> float | None:
-        """When STT must have answered for a failure's re-ask to be heard in time (None: off)."""
-        if self._heard_within is None:
-            return None
-        return timings.speech_end + self._heard_within - HEARD_MARGIN

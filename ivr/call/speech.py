@@ -110,7 +110,7 @@ class SpeechHandle:
             close_segment=self._player.close_segment, apologise=self._apologise,
             timing=self._timing, stats=self._stats, clock=self._clock,
         )  # fmt: skip
-        deadline = _turn_deadline(self.turn, self._heard_within)
+        deadline = heard_deadline(self.turn, self._heard_within)
         self._start(reply.produce(chunks, self.turn if from_llm else None, deadline))
 
     def play_cached(self, text: str, ulaw: bytes) -> None:
@@ -251,7 +251,7 @@ class SpeechHandle:
         """Text pieces -> sentences -> TTS -> player; LLM deltas overlap with synthesis."""
         sentences: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SENTENCE_QUEUE_SIZE)
         turn = self.turn if from_llm else None
-        if (deadline := _turn_deadline(self.turn, self._heard_within)) is not None:
+        if (deadline := heard_deadline(self.turn, self._heard_within)) is not None:
             turn_deadline.set(deadline)  # the tasks below (the LLM stream, TTS) inherit it
 
         async def synthesise() -> None:
@@ -345,9 +345,10 @@ def unheard_rest(said: str, heard: str) -> str:
     return " ".join(said.split()[len(heard.split()) :])
 
 
-def _turn_deadline(turn: TurnTimings | None, heard_within: float | None) -> float | None:
-    """When a failing stage gives up, in time for the cached apology to be heard within
-    ``heard_within`` of the caller's end (None: each stage keeps its own limit)."""
+def heard_deadline(turn: TurnTimings | None, heard_within: float | None) -> float | None:
+    """When a failing stage (STT, LLM, TTS) gives up, in time for the cached apology or the
+    re-ask to be heard within ``heard_within`` of the caller's end (None: each stage keeps its
+    own limit)."""
     if turn is None or heard_within is None:
         return None
     return turn.speech_end + heard_within - HEARD_MARGIN

@@ -46,6 +46,7 @@ from ivr.sim.rest_api import FakeTwilioRestApi
 from ivr.sim.script import script_from_data
 from ivr.sim.webhook import CallIds, TwilioSide, parse_stream, rebase
 from ivr.state.base import CallStatus
+from ivr.state.outcomes import Outcome
 from ivr.testing.openai_server import FakeOpenAIServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -397,8 +398,16 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
     assert stream_conn.closed_by == "backend" and stream_conn.closed_t is not None
     assert signalled + drain_s - 0.2 <= stream_conn.closed_t <= exit_t
     # Cut, not ended: left for the <Connect action> to resume on another instance.
-    assert not carrier.log_events("call.ended", call_sid=call_sid)
     [left] = carrier.log_events("call.stream_ended", call_sid=call_sid)
     assert left["reason"] == "disconnect"
-    assert record is not None and record.status == CallStatus.RECONNECTING
+    assert record is not None
+    # There is no other instance here: Twilio's <Connect action> finds none to resume the call
+    # on, and its "completed" may reach the draining carrier before it exits (seen once in a
+    # full run). Only Twilio may have ended it then, as a call dropped, never the drain.
+    ended = carrier.log_events("call.ended", call_sid=call_sid)
+    if ended:
+        assert [e["ended_by"] for e in ended] == ["twilio"], ended
+        assert record.outcome == Outcome.DROPPED
+    else:
+        assert record.status == CallStatus.RECONNECTING
     print(f"\ndrain timeout {drain_s:.0f} s: the process exited {took:.2f} s after SIGTERM")

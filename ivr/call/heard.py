@@ -1,6 +1,7 @@
 """What a turn's transcription ends in, whichever STT made it (``ivr.call.hearing``'s batch
 worker, ``ivr.call.live_hearing``'s session): the utterance handed to the floor, timed from the
-endpoint, or ``NotUnderstood`` (the re-ask) when the provider failed."""
+endpoint, or ``NotUnderstood`` (the re-ask) when the provider failed; and ``TurnsToHear``, the
+bounded queue of ended turns both hearings transcribe in order."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ exits without waiting for anything.
 kernel spreads new connections over them, so each is a full gateway (its own instance id, event
 loop and core) and the shared call store lets a call's webhook and stream land on different
 ones. The parent only supervises: it forwards signals (so each worker drains on SIGTERM),
-restarts a worker that dies after it started serving, and stops everything if one cannot start.
+restarts a worker that dies (killed while starting, or after it started serving), and stops
+everything if one exits by itself before serving (it cannot start).
 """
 
 from __future__ import annotations
@@ -318,14 +319,22 @@ class WorkerPool:
                 # A signal that ended a worker was ours (or the operator's): not a failure.
                 self._exit_code = max(self._exit_code, code)
                 continue
-            if not started.is_set():
+            if not started.is_set() and code >= 0:
+                # It exited by itself before serving: its settings or environment cannot work,
+                # and a restart would fail the same way.
                 log.error("server.worker_failed_to_start", worker=number, exit_code=code)
                 self._give_up(code)
-            elif self._restart_allowed():
-                log.error("server.worker_died", worker=number, exit_code=code, restarting=True)
+                continue
+            # Killed by a signal (the OOM killer, an operator) -- while starting or serving --
+            # or died after it served: replace it, within the restart budget.
+            restarting = self._restart_allowed()
+            log.error(
+                "server.worker_died", worker=number, exit_code=code,
+                serving=started.is_set(), restarting=restarting,
+            )  # fmt: skip
+            if restarting:
                 self._start(number)
             else:
-                log.error("server.worker_died", worker=number, exit_code=code, restarting=False)
                 self._give_up(code)
 
     def _restart_allowed(self) -> bool:

@@ -62,9 +62,10 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 @contextlib.asynccontextmanager
 async def workers(
-    tmp_path: Path, fake: FakeOpenAIServer, count: int = 2
+    tmp_path: Path, fake: FakeOpenAIServer, count: int = 2, *, wait: bool = True
 ) -> AsyncIterator[tuple[GatewayProcess, RedisCallStore]]:
-    """``ivr serve --workers count`` on a fresh Redis prefix, once every worker serves."""
+    """``ivr serve --workers count`` on a fresh Redis prefix, once every worker serves
+    (``wait=False``: as soon as the parent runs)."""
     prefix = f"ivrtest:{uuid.uuid4().hex[:12]}:"
     env = gateway_env(
         providers_url=fake.base_url, api_key=API_KEY, public_url=PUBLIC_URL,
@@ -75,7 +76,8 @@ async def workers(
     with GatewayProcesses(tmp_path) as group:
         proc = group.start("gw", env, serve_args=("--workers", str(count)))
         try:
-            await started_workers(proc, count)
+            if wait:
+                await started_workers(proc, count)
             yield proc, store
         finally:
             group.close()
@@ -103,6 +105,28 @@ async def started_workers(proc: GatewayProcess, count: int, within: float = 60.0
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(started)} of {count} workers started\n{proc.tail()}")
             await asyncio.sleep(0.1)
+
+
+def worker_children(parent: int) -> list[int]:
+    """Pids of the parent's worker processes: multiprocessing's spawn children, not its
+    resource tracker."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            if b"--multiprocessing-fork" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+async def spawned_workers(parent: int, count: int, within: float = 20.0) -> list[int]:
+    """The worker pids once ``count`` exist: long before any has imported the gateway."""
+    deadline = time.monotonic() + within
+    while len(found := worker_children(parent)) < count:
+        assert time.monotonic() < deadline, f"{len(found)} of {count} workers spawned"
+        await asyncio.sleep(0.02)
+    return found
 
 
 def worker_pid(instance_id: str) -> int:
@@ -236,6 +260,27 @@ async def test_a_worker_that_dies_is_replaced_and_the_pool_keeps_serving(
         assert replacement.rsplit("-", 1)[0] == first[0].rsplit("-", 1)[0]  # same worker number
         [died] = proc.log_events("server.worker_died")
         assert died["exit_code"] == -signal.SIGKILL and died["restarting"] is True
+        reports = await asyncio.gather(*(call(proc, [FIRST_QUESTION]) for _ in range(2)))
+        for report in reports:
+            assert_answered(report, 1)
+        assert proc.alive
+
+
+async def test_a_worker_killed_while_it_starts_is_replaced_not_taken_for_bad_settings(
+    tmp_path: Path, fake: FakeOpenAIServer
+) -> None:
+    """The OOM killer or an operator can kill a worker before it serves: that says nothing about
+    its settings, so the pool replaces it instead of stopping (CI once killed one between its
+    ``gateway.started`` line and its socket listening, and the whole pool exited)."""
+    async with workers(tmp_path, fake, wait=False) as (proc, _):
+        victim = (await spawned_workers(proc.process.pid, 2))[0]
+        os.kill(victim, signal.SIGKILL)
+        ids = await started_workers(proc, 2)
+        assert victim not in [worker_pid(i) for i in ids]
+        [died] = proc.log_events("server.worker_died")
+        assert died["exit_code"] == -signal.SIGKILL
+        assert died["serving"] is False and died["restarting"] is True
+        assert not proc.log_events("server.worker_failed_to_start")
         reports = await asyncio.gather(*(call(proc, [FIRST_QUESTION]) for _ in range(2)))
         for report in reports:
             assert_answered(report, 1)

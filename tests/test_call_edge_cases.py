@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,9 @@ async def handshake(base: str, path: str) -> websockets.ClientConnection:
 
 
 class Line:
-    """One Media Stream as Twilio runs it: echoes marks and notes what the gateway sent when."""
+    """One Media Stream as Twilio runs it: plays the gateway's audio in real time, echoes each
+    mark once the audio before it has played (every pending one at once on ``clear``), and
+    notes what the gateway sent when."""
 
     def __init__(self, ws: websockets.ClientConnection, stream_sid: str) -> None:
         self.ws = ws
@@ -94,6 +97,10 @@ class Line:
         self._seq = 1
         self._ts = 0
         self._clock_start: float | None = None
+        self._played_until = 0.0  # when the audio received so far has played (monotonic)
+        self._marks: deque[tuple[float, dict[str, Any]]] = deque()  # (when due, mark)
+        self._marks_changed = asyncio.Event()
+        self._echoes = asyncio.create_task(self._echo_marks())
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -105,14 +112,46 @@ class Line:
 
     async def _read(self) -> None:
         with contextlib.suppress(websockets.ConnectionClosed):
-            async for raw in self.ws:
-                message = json.loads(raw)
-                size = 0
-                if message["event"] == "media":
-                    size = len(base64.b64decode(message["media"]["payload"]))
-                self.events.append((time.monotonic(), message["event"], size))
-                if message["event"] == "mark":
-                    await self.send({"event": "mark", "mark": message["mark"]})
+            try:
+                async for raw in self.ws:
+                    self._received(json.loads(raw))
+            finally:
+                self._echoes.cancel()
+
+    def _received(self, message: dict[str, Any]) -> None:
+        now = time.monotonic()
+        size = 0
+        if message["event"] == "media":
+            size = len(base64.b64decode(message["media"]["payload"]))
+            self._played_until = max(self._played_until, now) + size / 8000
+        elif message["event"] == "mark":
+            self._marks.append((self._played_until, message["mark"]))
+            self._marks_changed.set()
+        elif message["event"] == "clear":  # the queued audio is gone: every pending mark is due
+            self._played_until = now
+            self._marks = deque((now, mark) for _, mark in self._marks)
+            self._marks_changed.set()
+        self.events.append((now, message["event"], size))
+
+    def played_out(self) -> bool:
+        """Every piece of the gateway's audio received so far has played."""
+        return time.monotonic() >= self._played_until
+
+    async def _echo_marks(self) -> None:
+        """Each mark in order, once the audio before it has played."""
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                self._marks_changed.clear()
+                if not self._marks:
+                    await self._marks_changed.wait()
+                    continue
+                due, mark = self._marks[0]
+                if (wait := due - time.monotonic()) > 0:
+                    with contextlib.suppress(TimeoutError):  # or sooner, on a clear
+                        await asyncio.wait_for(self._marks_changed.wait(), wait)
+                    continue
+                self._marks.popleft()
+                await self.send({"event": "mark", "mark": mark})
 
     async def send(self, message: dict[str, Any]) -> None:
         self._seq += 1
@@ -421,7 +460,8 @@ nodes:
         path = stream_path(await voice(server.base_url, "CA5"))
         assert path
         line = await Line.open(server.base_url, path, "CA5", "MZ5")
-        await line.feed_silence_until(lambda: line.count("mark") >= 1)
+        # The prompt has played (its end is when the no-input time starts), not only been sent.
+        await line.feed_silence_until(lambda: line.count("mark") >= 1 and line.played_out())
         await line.feed([SILENCE] * 25 + speech("balance"))
         async with line.silence_meanwhile():
             ended = await eventually(server, "CA5", lambda r: r.node in ("ok", "bye"), within=6.0)

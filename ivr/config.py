@@ -162,8 +162,11 @@ class Settings(BaseSettings):
     # wait. Off by default: on 8 kHz phone audio it called 3 of 5 finished questions unfinished
     # (bench/turn_taking.py), adding a second to those turns.
     turn_model: Literal["smart-turn", "off"] = "off"
-    # How far ahead of Twilio's playout clock we may queue audio; bounds the cost of `clear`.
+    # How far ahead of Twilio's playout clock we keep audio queued: the sender wakes when only
+    # the lead is left and tops it up by the refill in one go (fewer wake-ups under load); the
+    # two bound what a `clear` discards.
     playout_lead_ms: int = Field(600, ge=100, le=2000)
+    playout_refill_ms: int = Field(400, ge=0, le=2000)
 
     redis_url: str = ""
     redis_prefix: str = "ivr:"

@@ -209,6 +209,7 @@ def build_gateway(
         conversation=flows,
         new_endpointer=endpointer_factory(settings),
         playout_lead=settings.playout_lead_ms / 1000,
+        playout_refill=settings.playout_refill_ms / 1000,
         heard_within=settings.heard_within,
         auth=_stream_auth(settings),
         tokens=tokens,

@@ -29,8 +29,13 @@ class Wire:
         return [kind for _, kind, _ in self.sent]
 
 
-async def start_player(wire: Wire, lead: float = 0.2) -> tuple[AudioPlayer, asyncio.Task[None]]:
-    player = AudioPlayer(wire.media, wire.mark, wire.clear, lead_seconds=lead, chunk_frames=5)
+async def start_player(
+    wire: Wire, lead: float = 0.2, refill: float = 0.0
+) -> tuple[AudioPlayer, asyncio.Task[None]]:
+    player = AudioPlayer(
+        wire.media, wire.mark, wire.clear, lead_seconds=lead, refill_seconds=refill,
+        chunk_frames=5,
+    )  # fmt: skip
     return player, asyncio.create_task(player.run_sender())
 
 
@@ -55,6 +60,32 @@ async def test_audio_is_paced_to_stay_within_the_lead_of_playout() -> None:
     assert sent_seconds <= elapsed + 0.2 + 0.1 + 0.05
     assert sent_seconds < 1.0, "1 s of audio must not all be sent in 0.5 s with a 0.2 s lead"
     assert all(int(n) % 160 == 0 for _, n in media)  # type: ignore[call-overload]
+
+
+async def test_the_sender_tops_up_by_the_refill_in_one_wake_up_and_stays_within_it() -> None:
+    wire = Wire()
+    player, task = await start_player(wire, lead=0.2, refill=0.4)
+    segment = player.open_segment("a long sentence")
+    await player.write(segment, b"\x00" * 24_000)  # 3 s of audio
+    player.close_segment(segment)
+    await asyncio.sleep(1.5)
+    await stop(task)
+    media = [(t, int(n)) for t, kind, n in wire.sent if kind == "media"]  # type: ignore[call-overload]
+    start = media[0][0]
+    bursts: list[list[int]] = []  # messages sent back to back, in one wake-up
+    last = -1.0
+    for t, n in media:
+        if t - last > 0.05:
+            bursts.append([])
+        bursts[-1].append(n)
+        last = t
+        sent = sum(m for _, m in media if _ <= t) / 8000
+        # Never more than lead + refill (+ one message of slack) ahead of the playout clock.
+        assert sent <= (t - start) + 0.2 + 0.4 + 0.1 + 0.05
+    # 1.5 s of playout in 100 ms messages: one wake-up per message would be ~15; topped up by
+    # 0.4 s at a time it is the first fill and then one wake-up every ~0.4 s.
+    assert 3 <= len(bursts) <= 6, [len(b) for b in bursts]
+    assert all(len(b) >= 3 for b in bursts[1:-1]), [len(b) for b in bursts]
 
 
 async def test_a_segment_ends_with_its_mark_and_is_played_when_the_mark_echoes() -> None:

@@ -1,8 +1,11 @@
 """Outbound audio: paced sending, marks, the playout clock and barge-in.
 
 Bot speech is a sequence of *segments* (one per sentence). Each segment's mu-law audio is sent
-in 20 ms multiples, paced so that at most ``lead`` seconds are queued at Twilio ahead of its
-playout clock (so a ``clear`` discards little and costs nothing), and is followed by a mark
+in 20 ms multiples, paced so that ``lead`` to ``lead + refill`` seconds are queued at Twilio
+ahead of its playout clock (so a ``clear`` discards little and costs nothing): the sender wakes
+when only ``lead`` is left and tops the queue up by ``refill`` in one go, 100 ms messages back
+to back, instead of waking for every message (a wake-up costs a loaded event loop more than the
+send it makes). Each segment is followed by a mark
 named ``g<generation>:<seq>``. Twilio echoes a mark once the audio before it has played, and
 echoes *every* pending mark at once on ``clear``, possibly after new speech has begun. An
 interrupt starts a new generation and numbers its segments from 1 again, so the generation in
@@ -145,6 +148,7 @@ class AudioPlayer:
         send_clear: Callable[[], Awaitable[None]],
         *,
         lead_seconds: float = 0.6,
+        refill_seconds: float = 0.4,
         chunk_frames: int = 5,
         max_buffered_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -155,6 +159,7 @@ class AudioPlayer:
         self._send_mark = send_mark
         self._send_clear = send_clear
         self._lead = lead_seconds
+        self._refill = refill_seconds
         self._chunk_bytes = chunk_frames * FRAME_BYTES
         self._max_buffered = int(max_buffered_seconds * BYTES_PER_SECOND)
         self._clock = clock
@@ -364,6 +369,10 @@ class AudioPlayer:
                 await asyncio.sleep(ahead - self._lead)
                 continue
             await self._send_next()
+            # Top up to lead + refill while this wake-up lasts (see the module docstring).
+            full = self._lead + self._refill
+            while self._queue and not self._paused and self._playout_end - self._clock() < full:
+                await self._send_next()
 
     async def _send_next(self) -> None:
         segment, audio = self._queue[0]

@@ -51,7 +51,9 @@ class CallServices:
     new_endpointer: Callable[[], Endpointer]
     """A fresh endpointer (with its own VAD) for one call; closed when the call ends."""
     playout_lead: float
-    """Seconds of audio we may queue at Twilio ahead of its playout clock."""
+    """Seconds of audio kept queued at Twilio ahead of its playout clock, at least."""
+    playout_refill: float
+    """Seconds the sender tops that up by in one wake-up (``AudioPlayer``)."""
     heard_within: float | None
     """When a provider fails, the apology is heard within this of the caller's end (None: off)."""
     auth: StreamAuth

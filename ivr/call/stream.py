@@ -200,6 +200,7 @@ def _new_player(
         send_mark=lambda name: send(twilio.mark_message(sid, name)),
         send_clear=send_clear,
         lead_seconds=services.playout_lead,
+        refill_seconds=services.playout_refill,
         on_first_media=first_media,
     )
 

@@ -41,11 +41,22 @@ LINES = (
     "What time do you open on Saturday morning",
 )
 """Two ~2.9 s espeak lines (no commas: a comma pause could split a line in two)."""
-REPLY = (
-    "We are open from nine in the morning until six in the evening, Monday to Friday. "
-    "On Saturdays we open at ten and close at four, and on Sundays we are closed all day long."
+REPLY_SENTENCES = (
+    "We are open from nine in the morning until six in the evening, Monday to Friday.",
+    "On Saturdays we open at ten and close at four, and on Sundays we are closed all day long.",
+    "There is free parking behind the shop for about twenty cars, and two spaces for vans.",
+    "If you bring your bike before noon we can usually have it ready by the end of the day.",
 )
+REPLY = " ".join(REPLY_SENTENCES[:2])
 """40 tokens in two sentences (``split_tokens``); about 11 s of the fake TTS's speech."""
+
+
+def reply_of(sentences: int) -> str:
+    """The first ``sentences`` of REPLY_SENTENCES (~5.5 s of speech each): a sweep of reply
+    lengths shows what of a turn's cost grows with the bot's seconds of speech."""
+    if not 1 <= sentences <= len(REPLY_SENTENCES):
+        raise ValueError(f"--reply-sentences must be 1 to {len(REPLY_SENTENCES)}, got {sentences}")
+    return " ".join(REPLY_SENTENCES[:sentences])
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,7 @@ class ProviderProfile:
                 f"{self.llm_tokens_per_s:.0f} tok/s, TTS {self.tts_first_ms:.0f} ms + "
                 f"{self.tts_speed:g}x in {self.tts_chunk_ms:.0f} ms chunks"
                 + (" of 8 kHz mu-law (Cartesia WebSocket)" if self.tts == "cartesia" else "")
+                + (f", a {self.reply.count('.')}-sentence reply" if self.reply else "")
             )
             .replace(" + 0 tok/s", "")
             .replace(" + 0x in", ", all at once in")

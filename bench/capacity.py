@@ -67,6 +67,7 @@ from arrivals import (
     ProvidersProcess,
     agent_flow,
     providers,
+    reply_of,
     turn_rate,
 )
 from capacity_callers import TalkLoad, render_lines
@@ -380,6 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["openai", "cartesia"],
         help="the voice: batch 24 kHz PCM (/v1/audio/speech) or Cartesia's 8 kHz mu-law socket",
     )
+    p.add_argument(
+        "--reply-sentences", type=int, default=2,
+        help="sentences in the LLM's reply (1-4, ~5.5 s of speech each; 2 is the issue's)",
+    )  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway")
     p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
     p.add_argument("--py-spy-at", type=float, default=-1.0, help="s into the talk (-1: steady)")
@@ -403,7 +408,7 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="ivr-capacity-") as tmp:
         workdir = Path(os.environ.get("IVR_BENCH_DIR", tmp))
         os.makedirs(workdir, exist_ok=True)
-        profile = ProviderProfile(tts=args.tts)
+        profile = ProviderProfile(tts=args.tts, reply=reply_of(args.reply_sentences))
         with providers(profile, args.caller_cpus, workdir) as prov:
             for calls in levels(args.levels):
                 rows.append(await run_level(args, "arrivals", calls, prov, workdir))

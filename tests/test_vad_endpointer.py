@@ -281,6 +281,54 @@ def test_moving_the_silence_ends_this_turn_sooner_or_later_and_only_this_turn(
     assert ep.silence_ms == 300  # the next turn gets the configured silence again
 
 
+def test_a_silence_moved_at_a_pause_no_longer_holds_once_the_caller_goes_on() -> None:
+    """The verdict on a pause's words (wait long: the words are still coming) is about those
+    words: once the caller goes on, the turn ends on the configured silence again unless a new
+    pause is judged. On a line too noisy for the level to drop after the last word no new pause
+    comes, and the stale 1.5 s wait once held every such turn open (bench/README, stop 34)."""
+    a = trimmed(speech_pcm16("Check my balance."))
+    b = trimmed(speech_pcm16("Then talk to an agent."))
+    gap = noise_pcm16(0.3, seed=30)
+    loud_line = noise_pcm16(2.5, dbfs=-40.0, seed=31, color="white")
+    timeline = noise_pcm16(0.5, seed=29) + a + gap + b + loud_line
+    end_b = 0.5 + seconds(a) + seconds(gap) + seconds(b)
+    ep = Endpointer(SileroVad(), EndpointConfig(silence_ms=300, pause_ms=60))
+    seen: list[str] = []
+    ended: SpeechEnded | None = None
+    for frame, t in frames(timeline):
+        event = ep.push(frame, t)
+        if event is None:
+            continue
+        seen.append(type(event).__name__)
+        if isinstance(event, SpeechPaused) and event.pause == 1:
+            ep.set_silence_ms(1500)  # speculation holds the turn until the words are in
+        if isinstance(event, SpeechEnded):
+            ended = event
+            break
+    assert seen[:3] == ["SpeechStarted", "SpeechPaused", "SpeechResumed"], seen
+    assert ended is not None, seen
+    assert ended.t_detected - end_b < 0.6, ended.t_detected - end_b
+
+
+@pytest.mark.parametrize("dbfs", [-44.0, -40.0, -36.0])
+def test_a_line_too_loud_for_the_level_to_drop_still_pauses_before_the_turn_ends(
+    dbfs: float,
+) -> None:
+    """White noise within 30 dB of the speech: the level never falls to a pause, so the VAD's
+    silence makes it (the speculative turn starts there); before, such a line never paused."""
+    speech = trimmed(speech_pcm16("Then talk to an agent."))
+    end = 0.5 + seconds(speech)
+    loud_line = noise_pcm16(1.5, dbfs=dbfs, seed=32, color="white")
+    ep = Endpointer(SileroVad(), EndpointConfig(silence_ms=300, pause_ms=60))
+
+    events = run(ep, noise_pcm16(0.5, seed=33) + speech + loud_line)
+
+    after = [(t - end, type(e).__name__) for t, e in events if t > end]
+    assert [name for _, name in after] == ["SpeechPaused", "SpeechEnded"], after
+    paused_at, ended_at = after[0][0], after[1][0]
+    assert paused_at < ended_at - 0.05, after
+
+
 def test_a_pause_must_be_shorter_than_the_end_silence() -> None:
     with pytest.raises(ValidationError, match="pause_ms"):
         EndpointConfig(silence_ms=300, pause_ms=300)

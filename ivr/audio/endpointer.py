@@ -30,6 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ivr.audio.codec import rms16
 from ivr.audio.vad import VoiceActivityDetector
 
+LOUD_LINE_PAUSE_FRAMES = 2
+"""On a line whose level stays up, frames of VAD silence beyond the pause's own before the
+pause is reported (a VAD's non-speech inside a word lasts a frame or two)."""
+
 
 class EndpointConfig(BaseModel):
     """Endpointing knobs; all durations in milliseconds (rounded up to whole frames)."""
@@ -218,7 +222,8 @@ class Endpointer:
     def set_silence_ms(self, ms: int) -> None:
         """End the turn in progress after ``ms`` of silence instead of the configured silence
         (a turn that is clearly over ends sooner, an unfinished one waits longer). Applies
-        until the utterance ends; at least one frame past the pause point, so a shorter
+        until the caller goes on (``SpeechResumed``) or the utterance ends; at least one frame
+        past the pause point, so a shorter
         silence never ends a turn before its pause was reported."""
         self._silence_frames = self._frames_of_silence(ms)
 
@@ -320,13 +325,25 @@ class Endpointer:
             # Talking again: the VAD hears speech and the level is back (during the VAD's
             # hangover the VAD alone still says "speech" though the caller is quiet).
             self._paused = False
+            # A silence moved at the pause judged the words up to it; these are new words, so
+            # the configured silence holds until a new pause is judged (on a line too loud for
+            # the level to drop, none may come before the end).
+            self._silence_frames = self._default_silence_frames
             return SpeechResumed(t, self._pauses)
         if self._silent >= self._silence_frames:
             return self._finish(t + self._frame_s, truncated=False)
         if self._utt_frames >= self._max_frames:
             return self._finish(t + self._frame_s, truncated=True)
         quiet_long = self._quiet >= self._quiet_frames or self._silent >= self._pause_frames
-        if self._pause_frames and not self._paused and not loud and quiet_long:
+        # A line too loud for the level to drop below the speech's (noise within pause_db of
+        # it): the VAD's silence alone makes the pause, held a little past a flicker in a word.
+        # Without it such a line never paused, so no turn of it was ever speculated on.
+        vad_quiet_long = self._silent >= self._pause_frames + LOUD_LINE_PAUSE_FRAMES
+        if (
+            self._pause_frames
+            and not self._paused
+            and ((quiet_long and not loud) or vad_quiet_long)
+        ):
             return self._pause(t + self._frame_s)
         return None
 

@@ -107,16 +107,22 @@ async def started_workers(proc: GatewayProcess, count: int, within: float = 60.0
             await asyncio.sleep(0.1)
 
 
+def stat_fields(proc_dir: Path) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, ... (raises OSError once the
+    process is gone)."""
+    return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def worker_children(parent: int) -> list[int]:
     """Pids of the parent's worker processes: multiprocessing's spawn children, not its
     resource tracker."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc_dir in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+            if int(stat_fields(proc_dir)[1]) != parent:
                 continue
-            if b"--multiprocessing-fork" in (stat.parent / "cmdline").read_bytes():
-                found.append(int(stat.parent.name))
+            if b"--multiprocessing-fork" in (proc_dir / "cmdline").read_bytes():
+                found.append(int(proc_dir.name))
     return sorted(found)
 
 
@@ -141,7 +147,7 @@ def alive(pid: int) -> bool:
         return False
     # A zombie (exited, not reaped yet by its parent) counts as gone.
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return stat_fields(Path(f"/proc/{pid}"))[0] != "Z"
     return False
 
 

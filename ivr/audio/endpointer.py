@@ -223,8 +223,8 @@ class Endpointer:
         """End the turn in progress after ``ms`` of silence instead of the configured silence
         (a turn that is clearly over ends sooner, an unfinished one waits longer). Applies
         until the caller goes on (``SpeechResumed``) or the utterance ends; at least one frame
-        past the pause point, so a shorter
-        silence never ends a turn before its pause was reported."""
+        past the pause point, so a shorter silence never ends a turn before its pause was
+        reported."""
         self._silence_frames = self._frames_of_silence(ms)
 
     def _frames_of_silence(self, ms: int) -> int:

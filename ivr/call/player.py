@@ -4,12 +4,12 @@ Bot speech is a sequence of *segments* (one per sentence). Each segment's mu-law
 in 20 ms multiples, paced so that ``lead`` to ``lead + refill`` seconds are queued at Twilio
 ahead of its playout clock (so a ``clear`` discards little and costs nothing): the sender wakes
 when only ``lead`` is left and tops the queue up by ``refill`` in one go, 100 ms messages back
-to back, instead of waking for every message (a wake-up costs a loaded event loop more than the
-send it makes). Each segment is followed by a mark
-named ``g<generation>:<seq>``. Twilio echoes a mark once the audio before it has played, and
-echoes *every* pending mark at once on ``clear``, possibly after new speech has begun. An
-interrupt starts a new generation and numbers its segments from 1 again, so the generation in
-a mark's name is the one thing that tells a stale echo from real playback of new speech.
+to back, instead of waking for every message (each wake-up is a timer, a task switch and a
+pass of the event loop). Each segment is followed by a mark named ``g<generation>:<seq>``.
+Twilio echoes a mark once the audio before it has played, and echoes *every* pending mark at
+once on ``clear``, possibly after new speech has begun. An interrupt starts a new generation
+and numbers its segments from 1 again, so the generation in a mark's name is the one thing
+that tells a stale echo from real playback of new speech.
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
 """Speech-to-text over OpenAI's ``POST /v1/audio/transcriptions`` (OpenAI, Groq, the HF router,
-faster-whisper-server, vLLM ...): one finished utterance goes up as a WAV file, text comes back."""
+faster-whisper-server, vLLM ...): one finished utterance goes up as a WAV file, text comes back.
+
+A request whose asker leaves (a speculative transcript the caller talked past) is not aborted:
+aborting an HTTP/1.1 request closes its connection, so the turn's real request, a second or two
+later, paid a new TCP and TLS handshake (two round trips to the provider) on the caller's wait.
+The provider transcribes the upload anyway; the answer is read and dropped, and the connection
+goes back to the pool.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import AsyncExitStack
@@ -13,6 +21,9 @@ import aiohttp
 from ivr.audio.wav import pcm16_to_wav
 from ivr.providers.openai_http import OpenAIEndpoint, StageLimits, WaitClock, payload_error
 from ivr.stt.base import Transcript
+
+MAX_ABANDONED = 16
+"""Abandoned requests left to finish at once; past that one is aborted (its connection too)."""
 
 
 class OpenAIHttpStt:
@@ -42,11 +53,15 @@ class OpenAIHttpStt:
         """Seconds for the whole request, upload to answer."""
         # Its timeout is a backstop: ours (asyncio) fires first and says which limit.
         self._http = OpenAIEndpoint(base_url, api_key, provider=name, read_timeout=timeout + 1.0)
+        self._abandoned: set[asyncio.Task[Any]] = set()
 
     async def warm(self) -> None:
         """Nothing to load: the model runs at the provider."""
 
     async def aclose(self) -> None:
+        for request in self._abandoned:
+            request.cancel()
+        await asyncio.gather(*self._abandoned, return_exceptions=True)
         await self._http.aclose()
 
     async def transcribe(
@@ -66,10 +81,38 @@ class OpenAIHttpStt:
             first_phase="answer",
             transport_timeout=self.timeout + 1.0,
         )
-        result = await clock.wait(self._post(wav))
+        request = asyncio.ensure_future(self._post(wav, max(limit, self.timeout) + 1.0))
+        try:
+            result = await clock.wait(asyncio.shield(request))
+        except asyncio.CancelledError:
+            self._let_finish(request)
+            raise
+        except BaseException:
+            request.cancel()  # timed out: the connection is suspect, drop it
+            raise
         return Transcript(text=self._text(result), seconds=time.perf_counter() - started)
 
-    async def _post(self, wav: bytes) -> Any:
+    def _let_finish(self, request: asyncio.Task[Any]) -> None:
+        """Keep ``request`` (its asker left) running to its end so its connection is reused;
+        its own deadline bounds it (``_post``)."""
+        if request.done():
+            return
+        if len(self._abandoned) >= MAX_ABANDONED:
+            request.cancel()
+            return
+        self._abandoned.add(request)
+        request.add_done_callback(self._finished)
+
+    def _finished(self, request: asyncio.Task[Any]) -> None:
+        self._abandoned.discard(request)
+        if not request.cancelled():
+            request.exception()  # nobody waits for it: a failure here is not an error to log
+
+    async def _post(self, wav: bytes, deadline: float) -> Any:
+        async with asyncio.timeout(deadline):  # also ends one nobody waits for any more
+            return await self._post_form(wav)
+
+    async def _post_form(self, wav: bytes) -> Any:
         form = aiohttp.FormData()
         form.add_field("file", wav, filename="utterance.wav", content_type="audio/wav")
         form.add_field("model", self.model)

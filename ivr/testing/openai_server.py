@@ -57,14 +57,18 @@ from ivr.testing.openai_wire import (
 )
 
 
-def _tracking_protocol(connections: dict[tuple[str, int], Connection]) -> type[asyncio.Protocol]:
+def _tracking_protocol(
+    connections: dict[tuple[str, int], Connection], accepted: Callable[[], None]
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol, registering each connection's transport by client address so a
-    fault can reset the very socket a request came in on (ASGI does not expose it)."""
+    fault can reset the very socket a request came in on (ASGI does not expose it), and
+    counting the connections it accepts."""
     base: Any = AutoHTTPProtocol
 
     class Tracking(base):  # type: ignore[misc]
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
+            accepted()
             self._ivr_client = get_remote_addr(transport)
             if self._ivr_client is not None:
                 connections[self._ivr_client] = Connection(transport)
@@ -134,6 +138,8 @@ class FakeOpenAIServer:
         """When set, chat requests with other top-level fields get HTTP 422, the way Cerebras
         validates bodies (most servers, and the default here, ignore unknown fields)."""
         self.requests: list[RecordedRequest] = []
+        self.connections_accepted = 0
+        """TCP connections opened to the server since the reset (keep-alive reuse opens none)."""
         with self._lock:
             self._script_queue: collections.deque[ChatScript] | None = None
             self._script_source: object = None
@@ -155,7 +161,7 @@ class FakeOpenAIServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self._app(), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=2, http=_tracking_protocol(self._connections),
+            timeout_graceful_shutdown=2, http=_tracking_protocol(self._connections, self._accepted),
         )  # fmt: skip
         ready = threading.Event()
         self._server = _Uvicorn(config, ready)
@@ -206,6 +212,15 @@ class FakeOpenAIServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections open now (read from any thread: a dict's length is atomic)."""
+        return len(self._connections)
+
+    def _accepted(self) -> None:
+        with self._lock:
+            self.connections_accepted += 1
 
     def requests_for(self, endpoint: str) -> list[RecordedRequest]:
         return [r for r in self.requests if r.endpoint == endpoint]

@@ -1,0 +1,93 @@
+"""Provider connections stay open between requests: a new one costs the caller a TCP and a TLS
+handshake (two round trips to the provider) on the turn's wait. Counted at a real HTTP server
+(``FakeOpenAIServer.connections_accepted``), never timed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from ivr.stt.openai_http import MAX_ABANDONED, OpenAIHttpStt
+from ivr.testing.openai_server import FakeOpenAIServer, Fault
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture
+def srv(shared_server: FakeOpenAIServer) -> FakeOpenAIServer:
+    shared_server.reset()
+    return shared_server
+
+
+def speech(seconds: float, rate: int = 16_000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return (8000 * np.sin(2 * np.pi * 220 * t)).astype("<i2").tobytes()
+
+
+async def until(condition: object, within: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition():  # type: ignore[operator]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_transcription_nobody_waits_for_finishes_and_its_connection_serves_the_next(srv):
+    # The speculative transcript of a caller who went on talking: its asker is cancelled while
+    # the provider works. The next transcription must not open a second connection.
+    srv.faults["transcriptions"] = Fault(delay=0.3, times=1)
+    srv.transcripts_per_utterance = False  # one transcript per request, as scripted
+    srv.transcripts.extend(["my account number", "my account number is four two"])
+    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY)
+    try:
+        speculative = asyncio.create_task(stt.transcribe(speech(0.4)))
+        await until(lambda: srv.requests_for("transcriptions"))
+        speculative.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await speculative
+        first = srv.requests_for("transcriptions")[0]
+        await until(lambda: first.outcome != "pending")
+        assert first.outcome == "completed"  # answered, not abandoned mid-way
+        await asyncio.sleep(0.05)  # the connection goes back to the pool
+        final = await stt.transcribe(speech(1.2))
+        assert final.text == "my account number is four two"
+        assert srv.connections_accepted == 1
+    finally:
+        await stt.aclose()
+
+
+async def test_an_answer_that_times_out_closes_its_connection(srv):
+    # A stalled provider's connection is suspect: the next request opens a new one.
+    srv.faults["transcriptions"] = Fault(hang=True, times=1)
+    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, timeout=0.3)
+    try:
+        with pytest.raises(Exception, match="0.3"):
+            await stt.transcribe(speech(0.4))
+        await stt.transcribe(speech(0.4))
+        assert srv.connections_accepted == 2
+    finally:
+        await stt.aclose()
+
+
+async def test_past_the_bound_an_abandoned_request_is_aborted_and_close_ends_the_rest(srv):
+    srv.faults["transcriptions"] = Fault(hang=True)
+    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, timeout=30.0)
+    asks = [asyncio.create_task(stt.transcribe(speech(0.2))) for _ in range(MAX_ABANDONED + 2)]
+    await until(lambda: len(srv.requests_for("transcriptions")) == len(asks), within=10.0)
+    for ask in asks:
+        ask.cancel()
+    await asyncio.gather(*asks, return_exceptions=True)
+    # A hung answer never ends by itself: the two past the bound were aborted, closing their
+    # connections; the others stay open until the client closes.
+    await until(lambda: srv.open_connections == MAX_ABANDONED)
+    await stt.aclose()
+    await until(lambda: srv.open_connections == 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import uuid
@@ -40,6 +41,7 @@ from ivr.llm.base import LanguageModel
 from ivr.llm.build import configured_llm
 from ivr.obs import metrics
 from ivr.obs.loop_lag import LoopLagMonitor
+from ivr.providers.openai_http import preconnect_idle
 from ivr.recording import recordings_from_settings
 from ivr.state.base import CallStore
 from ivr.state.memory import MemoryCallStore
@@ -220,6 +222,7 @@ def build_gateway(
         recordings=recordings_from_settings(settings, store),
         turn_model=_turn_model(settings),
         streaming_stt=streaming_stt,
+        preconnect=_preconnect(settings),
     )
     return Gateway(
         settings,
@@ -261,6 +264,14 @@ def _stream_tokens(settings: Settings) -> StreamTokens:
         settings.stream_token_secret or settings.twilio_auth_token,
         ttl=settings.stream_token_ttl_s,
     )
+
+
+def _preconnect(settings: Settings) -> Callable[[], None] | None:
+    """Warm the HTTP providers' connections as a caller begins to speak (``CallServices``)."""
+    idle_s = settings.preconnect_idle_ms / 1000
+    if idle_s <= 0:
+        return None
+    return functools.partial(preconnect_idle, idle_s)
 
 
 def _turn_model(settings: Settings) -> EndOfTurnDetector | None:

@@ -5,12 +5,14 @@ handshake (two round trips to the provider) on the turn's wait. Counted at a rea
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from ivr.errors import ProviderTimeout
+from ivr.errors import ProviderError, ProviderTimeout
+from ivr.providers.openai_http import preconnect_idle
 from ivr.stt.openai_http import MAX_ABANDONED, OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer, Fault
 
@@ -92,3 +94,36 @@ async def test_past_the_bound_an_abandoned_request_is_aborted_and_close_ends_the
     await until(lambda: srv.open_connections == MAX_ABANDONED)
     await stt.aclose()
     await until(lambda: srv.open_connections == 0)
+
+
+async def test_an_idle_provider_is_preconnected_and_its_next_request_uses_that_connection(srv):
+    srv.transcripts.append("hello")
+    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY)
+    try:
+        preconnect_idle(4.0)  # never used: no connection can be open
+        await until(lambda: srv.requests_for("models") and srv.open_connections == 1)
+        await asyncio.sleep(0.05)  # the HEAD's answer releases the connection to the pool
+        assert (await stt.transcribe(speech(0.4))).text == "hello"
+        [warm] = srv.requests_for("models")
+        [used] = srv.requests_for("transcriptions")
+        assert warm.method == "HEAD" and warm.peer == used.peer
+        assert srv.connections_accepted == 1
+        preconnect_idle(4.0)  # just used: nothing to do
+        await asyncio.sleep(0.1)
+        assert len(srv.requests_for("models")) == 1
+    finally:
+        await stt.aclose()
+
+
+async def test_a_preconnect_to_a_server_that_is_down_stays_quiet_and_the_request_says_why():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stt = OpenAIHttpStt(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY)
+    try:
+        preconnect_idle(4.0)
+        await asyncio.sleep(0.1)  # it failed, and logged at debug only
+        with pytest.raises(ProviderError, match="connect"):
+            await stt.transcribe(speech(0.2))
+    finally:
+        await stt.aclose()

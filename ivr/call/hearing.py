@@ -75,11 +75,15 @@ class Hearing:
         clock: Callable[[], float] = time.monotonic,
         live: LiveHearing | None = None,
         backlog: InboundBacklog | None = None,
+        on_speech_start: Callable[[], None] | None = None,
     ) -> None:
         """``live``: a streaming STT hears the call (``ivr.call.live_hearing``); ``stt`` is
         then only asked for the words so far. ``backlog``: the process's record of how late
-        it takes up its calls' audio (None: this call's samples go to the metric alone)."""
+        it takes up its calls' audio (None: this call's samples go to the metric alone).
+        ``on_speech_start``: called as the caller begins to speak (the providers' connections
+        are opened then, ahead of the turn's requests)."""
         self._live = live
+        self._on_speech_start = on_speech_start
         self._backlog = backlog or InboundBacklog()
         self._endpointer = endpointer
         self._stt = stt
@@ -148,6 +152,8 @@ class Hearing:
             await floor.caller_went_on()
             return
         if isinstance(event, SpeechStarted):
+            if self._on_speech_start is not None:
+                self._on_speech_start()
             await floor.sound_started(event.t)
             return
         if not floor.sound_ended(event) or isinstance(event, SpeechDiscarded):

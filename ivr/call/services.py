@@ -71,6 +71,9 @@ class CallServices:
     turn_model: EndOfTurnDetector | None = None
     """The process's audio end-of-turn model (None: turns end on words and silence alone)."""
     """Saves the recordings of calls whose record says so; None when no sink is configured."""
+    preconnect: Callable[[], None] | None = None
+    """Opens connections to the providers that have been idle (called as a caller begins to
+    speak: the turn's requests then find them open); None: off."""
     streaming_stt: StreamingSpeechToText | None = None
     """A streaming STT (``IVR_STT_PROVIDER=deepgram`` ...): each call opens one session on it
     at ``start`` and ``stt`` only serves what is not a call (None: ``stt`` hears the calls)."""

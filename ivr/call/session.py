@@ -78,6 +78,7 @@ class CallSession:
         clock: Callable[[], float] = time.monotonic,
         streaming_stt: StreamingSpeechToText | None = None,  # hears the call (one session)
         backlog: InboundBacklog | None = None,  # the process's: how late it hears its calls
+        on_speech_start: Callable[[], None] | None = None,  # the caller began to speak
     ) -> None:
         """``heard_within``: when a provider fails, the caller hears the cached apology (or
         the not-understood prompt) within this many seconds of their speech's end (None:
@@ -117,6 +118,7 @@ class CallSession:
             clock=clock,
             live=_live_hearing(self, streaming_stt, words, endpointer, heard_within),
             backlog=backlog,
+            on_speech_start=on_speech_start,
         )
         self._endpointer = endpointer
         # interruptions, speculation (the pauses' own), timeline, turn log, caller audio

@@ -272,6 +272,7 @@ def _new_session(
         turn_model=services.turn_model,
         streaming_stt=services.streaming_stt,
         backlog=services.live.backlog,
+        on_speech_start=services.preconnect,
     )
 
 

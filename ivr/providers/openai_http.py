@@ -24,11 +24,13 @@ import json
 import socket
 import ssl
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
+import structlog
 
 from ivr.errors import ProviderError, ProviderErrorKind, ProviderStatusError, ProviderTimeout
 
@@ -49,6 +51,19 @@ _UNPARSABLE = (ValueError, TypeError, AttributeError, KeyError)
 
 ERROR_BODY_LIMIT = 64 * 1024
 """Of an error answer, this much is read for its message."""
+
+log = structlog.get_logger("ivr.providers")
+
+_ENDPOINTS: weakref.WeakSet[OpenAIEndpoint] = weakref.WeakSet()
+"""Every endpoint of the process (its providers'): ``preconnect_idle`` warms them."""
+
+
+def preconnect_idle(idle_s: float) -> None:
+    """Open a connection ahead of use to every provider idle for more than ``idle_s`` (see
+    ``OpenAIEndpoint.preconnect``). Called when a caller starts to speak: the turn's requests
+    follow within seconds."""
+    for endpoint in list(_ENDPOINTS):
+        endpoint.preconnect(idle_s)
 
 
 class OpenAIEndpoint:
@@ -79,9 +94,62 @@ class OpenAIEndpoint:
         )
         self._read_bufsize = read_bufsize
         self._session: aiohttp.ClientSession | None = None
+        self._in_flight = 0
+        self._idle_since: float | None = None
+        """When the last request ended (None: none yet, so no connection is open)."""
+        self._preconnecting: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the session lives in (an endpoint serves one loop)."""
+        _ENDPOINTS.add(self)
+
+    def preconnect(self, idle_s: float) -> None:
+        """Open a connection now if none is likely open: no request in flight and none for
+        ``idle_s`` (servers close idle connections, uvicorn and vLLM after 5 s, and our pool
+        after 30). A new connection costs a TCP and a TLS handshake, two round trips, which
+        a request on a warm one does not wait for. A ``HEAD`` of the models list opens it
+        (free, and any answer, even 404, leaves the connection in the pool); it never fails
+        loudly: the request it prepares for will say what is wrong."""
+        loop = asyncio.get_running_loop()
+        if self._in_flight or self._preconnecting is not None:
+            return
+        if self._loop is not None and self._loop is not loop:  # another loop's (a test's)
+            return
+        if self._idle_since is not None and time.monotonic() - self._idle_since <= idle_s:
+            return
+        self._preconnecting = loop.create_task(self._preconnect())
+
+    async def _preconnect(self) -> None:
+        try:
+            async with self._request("HEAD", "/models"):
+                pass
+        except Exception as exc:  # the real request reports what is wrong
+            log.debug("provider.preconnect_failed", provider=self.provider, error=repr(exc))
+        finally:
+            self._preconnecting = None
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: object = None,
+        form: aiohttp.FormData | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, counted in flight until its answer is released."""
+        session = self._open_session()
+        self._in_flight += 1
+        try:
+            url = self.base_url + path
+            async with session.request(method, url, json=json_body, data=form) as response:
+                yield response
+        finally:
+            self._in_flight -= 1
+            self._idle_since = time.monotonic()
 
     def _open_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            self._loop = asyncio.get_running_loop()
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 timeout=self._timeout,
@@ -97,9 +165,7 @@ class OpenAIEndpoint:
         """POST to ``base_url + path``; an error status raises ``ProviderStatusError`` with
         the server's message. Leaving the block closes the answer (and, mid-stream, the
         connection: the server stops generating)."""
-        session = self._open_session()
-        url = self.base_url + path
-        async with session.post(url, json=json_body, data=form) as response:
+        async with self._request("POST", path, json_body=json_body, form=form) as response:
             if response.status >= 400:
                 body = await response.content.read(ERROR_BODY_LIMIT)
                 cause = aiohttp.ClientResponseError(
@@ -111,6 +177,10 @@ class OpenAIEndpoint:
             yield response
 
     async def aclose(self) -> None:
+        _ENDPOINTS.discard(self)
+        if self._preconnecting is not None:
+            self._preconnecting.cancel()
+            await asyncio.gather(self._preconnecting, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 

@@ -86,6 +86,8 @@ class OpenAIEndpoints:
             path=request.url.path,
             headers={k.lower(): v for k, v in request.headers.items()},
             time=time.monotonic(),
+            method=request.method,
+            peer=(request.client.host, request.client.port) if request.client else None,
         )
         self.server.requests.append(rec)
         return rec

@@ -97,6 +97,9 @@ class RecordedRequest:
     headers: dict[str, str]
     time: float
     """``time.monotonic()`` at arrival."""
+    method: str = "POST"
+    peer: tuple[str, int] | None = None
+    """The client's address: requests from one port came over one connection."""
     json: JsonDict | None = None
     form: dict[str, str] | None = None
     files: dict[str, bytes] = field(default_factory=dict)

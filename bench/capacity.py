@@ -86,6 +86,7 @@ from gateway_harness import (
     py_spy,
     summarise_listen,
 )
+from rtt_proxy import RttProxy
 
 # No commas: a comma pause can exceed the 300 ms endpoint silence and split a line in two.
 CLASSIC_LINES = ("What are your opening hours?", "Do you have parking nearby?")
@@ -121,6 +122,8 @@ class Row:
     caller_lag_p95_ms: float = float("nan")
     """How late the bench's own 20 ms ticks ran (p95): its own health."""
     loadavg: tuple[float, ...] = ()
+    provider_connections: int | None = None
+    """Connections the gateway opened to the providers (with ``--provider-rtt-ms``)."""
 
 
 # -- gateway and store --------------------------------------------------------------------------
@@ -143,7 +146,12 @@ async def delete_prefix(url: str, prefix: str) -> None:
 
 @contextlib.contextmanager
 def level_gateway(
-    args: argparse.Namespace, prov: ProvidersProcess, flows: Path, workdir: Path, name: str
+    args: argparse.Namespace,
+    prov: ProvidersProcess,
+    flows: Path,
+    workdir: Path,
+    name: str,
+    provider_url: str,
 ) -> Iterator[GatewayProcess]:
     env = {
         "IVR_FLOWS_DIR": str(flows),
@@ -154,7 +162,7 @@ def level_gateway(
         **dict(kv.split("=", 1) for kv in args.env),
     }
     options: dict[str, Any] = {"cpus": args.gateway_cpus, "workers": args.workers, "env": env}
-    with gateway(prov.url, args.vad, args.log_level, workdir, name=name, **options) as gw:
+    with gateway(provider_url, args.vad, args.log_level, workdir, name=name, **options) as gw:
         yield gw
 
 
@@ -277,7 +285,15 @@ async def run_level(
     flows = agent_flow(workdir) if arrivals else classic_flows(workdir)
     noise = noise_payloads(args.noise_rms)
     try:
-        with level_gateway(args, prov, flows, workdir, name) as gw:
+        async with contextlib.AsyncExitStack() as stack:
+            url = prov.url
+            proxy = None
+            if args.provider_rtt_ms > 0:  # the providers a round trip away (bench/rtt_proxy.py)
+                proxy = await stack.enter_async_context(
+                    RttProxy(prov.port, args.provider_rtt_ms).running()
+                )
+                url = proxy.url(prov.url)
+            gw = stack.enter_context(level_gateway(args, prov, flows, workdir, name, url))
             await gw.wait_ready()
             if args.listen > 0:
                 row.listen_cpu_per_call_min = round(await listen_rate(args, gw, calls), 3)
@@ -290,6 +306,8 @@ async def run_level(
                 load = TalkLoad(gw, calls, noise, render_lines(CLASSIC_LINES), ramp=10.0)
                 duration = 10.0 + args.classic_duration
             await talk(args, gw, prov, load, duration, row)
+            if proxy is not None:
+                row.provider_connections = proxy.connections
     finally:
         if args.redis:
             await delete_prefix(args.redis, redis_prefix(name, 0, args.workers))
@@ -386,6 +404,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sentences in the LLM's reply (1-4, ~5.5 s of speech each; 2 is the issue's)",
     )  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway")
+    p.add_argument(
+        "--provider-rtt-ms", type=float, default=0.0,
+        help="the providers this far away, new connections 2 round trips more (rtt_proxy.py)",
+    )  # fmt: skip
     p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
     p.add_argument("--py-spy-at", type=float, default=-1.0, help="s into the talk (-1: steady)")
     p.add_argument("--py-spy-rate", type=int, default=100, help="py-spy samples a second")
@@ -434,7 +456,12 @@ def report(row: Row) -> None:
     print(
         f"  {row.load} {row.calls} calls: p50 {row.p50_ms:.0f} ms, p95 {row.p95_ms:.0f} ms, "
         f"{row.turns} turns, {row.errors} errors, {row.cpu_ms_per_turn:.0f} ms CPU a turn, "
-        f"{row.cpu_ms_per_call:.0f} ms a call",
+        f"{row.cpu_ms_per_call:.0f} ms a call"
+        + (
+            f", {row.provider_connections} provider connections"
+            if row.provider_connections is not None
+            else ""
+        ),
         file=sys.stderr,
     )
 

@@ -166,11 +166,11 @@ class Settings(BaseSettings):
     # the lead is left and tops it up by the refill in one go (fewer wake-ups under load); the
     # two bound what a `clear` discards.
     playout_lead_ms: int = Field(600, ge=100, le=2000)
+    playout_refill_ms: int = Field(400, ge=0, le=2000)
     # Provider connections: when a caller begins to speak, every HTTP provider idle longer than
     # this gets a connection opened, so the turn's requests skip the TCP and TLS handshakes
     # (servers close idle ones: uvicorn and vLLM after 5 s). 0 = off.
     preconnect_idle_ms: int = Field(4000, ge=0, le=600_000)
-    playout_refill_ms: int = Field(400, ge=0, le=2000)
 
     redis_url: str = ""
     redis_prefix: str = "ivr:"

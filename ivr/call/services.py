@@ -68,9 +68,9 @@ class CallServices:
     warm: WarmTransfers | None = None
     """Warm transfers (conference, briefed agent); None without REST credentials."""
     recordings: Recordings | None = None
+    """Saves the recordings of calls whose record says so; None when no sink is configured."""
     turn_model: EndOfTurnDetector | None = None
     """The process's audio end-of-turn model (None: turns end on words and silence alone)."""
-    """Saves the recordings of calls whose record says so; None when no sink is configured."""
     preconnect: Callable[[], None] | None = None
     """Opens connections to the providers that have been idle (called as a caller begins to
     speak: the turn's requests then find them open); None: off."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,19 +16,7 @@ from ivr.providers.openai_http import preconnect_idle
 from ivr.stt.openai_http import MAX_ABANDONED, OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer, Fault
 
-KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def shared_server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(api_key=KEY) as server:
-        yield server
-
-
-@pytest.fixture
-def srv(shared_server: FakeOpenAIServer) -> FakeOpenAIServer:
-    shared_server.reset()
-    return shared_server
+KEY = "sk-test"  # conftest's fake_openai: a fresh server for each test
 
 
 def speech(seconds: float, rate: int = 16_000) -> bytes:
@@ -36,81 +24,91 @@ def speech(seconds: float, rate: int = 16_000) -> bytes:
     return (8000 * np.sin(2 * np.pi * 220 * t)).astype("<i2").tobytes()
 
 
-async def until(condition: object, within: float = 3.0) -> None:
+async def until(condition: Callable[[], object], within: float = 3.0) -> None:
     deadline = asyncio.get_running_loop().time() + within
-    while not condition():  # type: ignore[operator]
+    while not condition():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
 
 
-async def test_a_transcription_nobody_waits_for_finishes_and_its_connection_serves_the_next(srv):
+async def test_a_transcription_nobody_waits_for_finishes_and_its_connection_serves_the_next(
+    fake_openai: FakeOpenAIServer,
+) -> None:
     # The speculative transcript of a caller who went on talking: its asker is cancelled while
     # the provider works. The next transcription must not open a second connection.
-    srv.faults["transcriptions"] = Fault(delay=0.3, times=1)
-    srv.transcripts_per_utterance = False  # one transcript per request, as scripted
-    srv.transcripts.extend(["my account number", "my account number is four two"])
-    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY)
+    fake_openai.faults["transcriptions"] = Fault(delay=0.3, times=1)
+    fake_openai.transcripts_per_utterance = False  # one transcript per request, as scripted
+    fake_openai.transcripts.extend(["my account number", "my account number is four two"])
+    stt = OpenAIHttpStt(base_url=fake_openai.base_url, api_key=KEY)
     try:
         speculative = asyncio.create_task(stt.transcribe(speech(0.4)))
-        await until(lambda: srv.requests_for("transcriptions"))
+        await until(lambda: fake_openai.requests_for("transcriptions"))
         speculative.cancel()
         with pytest.raises(asyncio.CancelledError):
             await speculative
-        first = srv.requests_for("transcriptions")[0]
+        first = fake_openai.requests_for("transcriptions")[0]
         await until(lambda: first.outcome != "pending")
         assert first.outcome == "completed"  # answered, not abandoned mid-way
         await asyncio.sleep(0.05)  # the connection goes back to the pool
         final = await stt.transcribe(speech(1.2))
         assert final.text == "my account number is four two"
-        assert srv.connections_accepted == 1
+        assert fake_openai.connections_accepted == 1
     finally:
         await stt.aclose()
 
 
-async def test_an_answer_that_times_out_closes_its_connection(srv):
+async def test_an_answer_that_times_out_closes_its_connection(
+    fake_openai: FakeOpenAIServer,
+) -> None:
     # A stalled provider's connection is suspect: the next request opens a new one.
-    srv.faults["transcriptions"] = Fault(hang=True, times=1)
-    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, timeout=0.3)
+    fake_openai.faults["transcriptions"] = Fault(hang=True, times=1)
+    stt = OpenAIHttpStt(base_url=fake_openai.base_url, api_key=KEY, timeout=0.3)
     try:
         with pytest.raises(ProviderTimeout):
             await stt.transcribe(speech(0.4))
         await stt.transcribe(speech(0.4))
-        assert srv.connections_accepted == 2
+        assert fake_openai.connections_accepted == 2
     finally:
         await stt.aclose()
 
 
-async def test_past_the_bound_an_abandoned_request_is_aborted_and_close_ends_the_rest(srv):
-    srv.faults["transcriptions"] = Fault(hang=True)
-    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, timeout=30.0)
+async def test_past_the_bound_an_abandoned_request_is_aborted_and_close_ends_the_rest(
+    fake_openai: FakeOpenAIServer,
+) -> None:
+    fake_openai.faults["transcriptions"] = Fault(hang=True)
+    stt = OpenAIHttpStt(base_url=fake_openai.base_url, api_key=KEY, timeout=30.0)
     asks = [asyncio.create_task(stt.transcribe(speech(0.2))) for _ in range(MAX_ABANDONED + 2)]
-    await until(lambda: len(srv.requests_for("transcriptions")) == len(asks), within=10.0)
+    await until(lambda: len(fake_openai.requests_for("transcriptions")) == len(asks), within=10.0)
     for ask in asks:
         ask.cancel()
     await asyncio.gather(*asks, return_exceptions=True)
     # A hung answer never ends by itself: the two past the bound were aborted, closing their
     # connections; the others stay open until the client closes.
-    await until(lambda: srv.open_connections == MAX_ABANDONED)
+    await until(lambda: fake_openai.open_connections == MAX_ABANDONED)
     await stt.aclose()
-    await until(lambda: srv.open_connections == 0)
+    await until(lambda: fake_openai.open_connections == 0)
 
 
-async def test_an_idle_provider_is_preconnected_and_its_next_request_uses_that_connection(srv):
-    srv.transcripts.append("hello")
-    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY)
+async def test_an_idle_provider_is_preconnected_and_its_next_request_uses_that_connection(
+    fake_openai: FakeOpenAIServer,
+) -> None:
+    fake_openai.transcripts.append("hello")
+    stt = OpenAIHttpStt(base_url=fake_openai.base_url, api_key=KEY)
     try:
         preconnect_idle(4.0)  # never used: no connection can be open
-        await until(lambda: srv.requests_for("models") and srv.open_connections == 1)
+        await until(
+            lambda: fake_openai.requests_for("models") and fake_openai.open_connections == 1
+        )
         await asyncio.sleep(0.05)  # the HEAD's answer releases the connection to the pool
         assert (await stt.transcribe(speech(0.4))).text == "hello"
-        [warm] = srv.requests_for("models")
-        [used] = srv.requests_for("transcriptions")
+        [warm] = fake_openai.requests_for("models")
+        [used] = fake_openai.requests_for("transcriptions")
         assert warm.method == "HEAD" and warm.peer == used.peer
-        assert srv.connections_accepted == 1
+        assert fake_openai.connections_accepted == 1
         preconnect_idle(4.0)  # just used: nothing to do
         await asyncio.sleep(0.1)
-        assert len(srv.requests_for("models")) == 1
+        assert len(fake_openai.requests_for("models")) == 1
     finally:
         await stt.aclose()
 

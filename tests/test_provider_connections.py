@@ -125,3 +125,24 @@ async def test_a_preconnect_to_a_server_that_is_down_stays_quiet_and_the_request
             await stt.transcribe(speech(0.2))
     finally:
         await stt.aclose()
+
+
+async def test_a_preconnect_the_server_never_answers_does_not_hold_up_the_turn(
+    fake_openai: FakeOpenAIServer,
+) -> None:
+    # A server that accepts the HEAD and stalls: the turn's request goes on a connection of its
+    # own and is answered as usual; no second preconnect piles up behind the stalled one.
+    fake_openai.faults["models"] = Fault(hang=True)
+    fake_openai.transcripts.append("hello")
+    stt = OpenAIHttpStt(base_url=fake_openai.base_url, api_key=KEY, timeout=2.0)
+    try:
+        preconnect_idle(4.0)
+        await until(lambda: fake_openai.requests_for("models"))
+        assert (await stt.transcribe(speech(0.4))).text == "hello"
+        preconnect_idle(0.0)
+        await asyncio.sleep(0.1)
+        assert len(fake_openai.requests_for("models")) == 1
+        assert fake_openai.connections_accepted == 2
+    finally:
+        await stt.aclose()  # ends the stalled HEAD too
+    await until(lambda: fake_openai.open_connections == 0)

@@ -61,6 +61,11 @@ def words(text: str) -> list[str]:
     return text.lower().translate(_WORD_CHARS).split()
 
 
+def is_prefix(head: list[str], whole: list[str]) -> bool:
+    """``head`` is a strict opening of ``whole``, word for word."""
+    return len(head) < len(whole) and whole[: len(head)] == head
+
+
 def is_own_words(text: str) -> bool:
     """Caller text made of the bot's reply (an echo transcribed), not of the caller's lines."""
     said = words(text)
@@ -148,6 +153,16 @@ class EchoCall:
     """The first false ``clear``, from the first audio of the reply."""
     clear_latency_s: float | None
     """Double talk: the caller's onset (their clip's first frame queued) to the ``clear``."""
+
+    @property
+    def turns_taken(self) -> list[str]:
+        """The caller texts the bot answered: ``requests`` less speculations the caller talked
+        past (a request on the opening words of the request that followed it)."""
+        return [
+            text
+            for text, after in zip(self.requests, [*self.requests[1:], None], strict=True)
+            if after is None or not is_prefix(words(text), words(after))
+        ]
 
     @property
     def own_requests(self) -> int:

@@ -6,6 +6,11 @@ buffer; whoever later asks for the very same request adopts it and reads the buf
 rest as it arrives, as if it had sent the request itself. Throwing it away cancels the task,
 which closes the provider's HTTP stream: nothing was played, nothing reaches the history.
 
+Once adopted, the stream is handed over: the task stops at the next item and the adopter reads
+the stream itself, at its own pace. A TTS answer read only when its consumer wants more is read
+in a few large gulps (``ivr.tts.openai_http``); a task draining it for the adopter read every
+40 ms piece as it came, each a wakeup of its own (~110 more a turn, bench/capacity.py).
+
 A prefetch that failed before yielding anything is never adopted: the live request is sent
 instead, so a failed speculation is invisible to the caller.
 """
@@ -54,9 +59,10 @@ class Prefetch(Generic[T]):
         self._items: list[T] = []
         self._error: BaseException | None = None
         self._done = False
+        self._handed: AsyncIterator[T] | None = None
+        """The stream, once the task has stopped reading it for the adopter to read on."""
         self._changed = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
+        self._adopted_event = asyncio.Event()
         self._adopted = False
         self._settled = False
         self._task = asyncio.create_task(self._drain(open_stream), name=f"prefetch-{stage}")
@@ -68,7 +74,12 @@ class Prefetch(Generic[T]):
 
     @property
     def done(self) -> bool:
+        """No more items will arrive here: the stream ended, failed, or went to its adopter."""
         return self._done
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopted
 
     def items_so_far(self) -> list[T]:
         """What has arrived yet (a snapshot, for peeking at the first sentence)."""
@@ -84,14 +95,24 @@ class Prefetch(Generic[T]):
     async def _drain(self, open_stream: Callable[[], AsyncIterator[T]]) -> None:
         stream = open_stream()
         try:
-            async for item in stream:
+            while True:
+                if self._adopted:  # the adopter reads on from here
+                    self._handed = stream
+                    return
+                try:
+                    item = await anext(stream)
+                except StopAsyncIteration:
+                    return
                 self._items.append(item)
                 self._changed.set()
-                if len(self._items) >= MAX_BUFFERED and not self._adopted:
-                    self._room.clear()
-                    await self._room.wait()
-                elif self._spacing and not self._adopted:
-                    await asyncio.sleep(self._spacing)
+                if self._adopted:
+                    continue
+                if len(self._items) >= MAX_BUFFERED:
+                    await self._adopted_event.wait()
+                elif self._spacing:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._spacing):
+                            await self._adopted_event.wait()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the adopter at the same point as live
@@ -101,10 +122,8 @@ class Prefetch(Generic[T]):
         finally:
             self._done = True
             self._changed.set()
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            if self._handed is None:
+                await _aclose(stream)
 
     def adopt(self, live: Callable[[], AsyncIterator[T]] | None = None) -> AsyncIterator[T]:
         """The stream, from its first item; only once. Closing the iterator early cancels
@@ -117,7 +136,7 @@ class Prefetch(Generic[T]):
         if self._adopted:
             raise RuntimeError("a prefetch is adopted once")
         self._adopted = True
-        self._room.set()
+        self._adopted_event.set()
         self._settle(PrefetchOutcome.USED)
         return self._replay(live)
 
@@ -129,24 +148,35 @@ class Prefetch(Generic[T]):
                     sent += 1
                     yield self._items[sent - 1]
                 if self._done:
-                    error = self._error
-                    if error is None:
-                        return
-                    if sent or live is None or _timed_out(error):
-                        raise error
-                    log.info("prefetch.reopened", stage=self.stage, error=repr(error))
-                    async for item in live():
-                        yield item
-                    return
+                    break
                 self._changed.clear()
                 if sent < len(self._items) or self._done:
                     continue
                 await self._changed.wait()
+            if (stream := self._handed) is not None:
+                self._handed = None
+                try:
+                    async for item in stream:
+                        yield item
+                finally:
+                    await _aclose(stream)
+                return
+            error = self._error
+            if error is None:
+                return
+            if sent or live is None or _timed_out(error):
+                raise error
+            log.info("prefetch.reopened", stage=self.stage, error=repr(error))
+            async for item in live():
+                yield item
         finally:
             if not self._done:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
+            if (stream := self._handed) is not None:  # handed over, never read on
+                self._handed = None
+                await _aclose(stream)
 
     def discard(self) -> None:
         """Throw it away: cancel the request if it is still running."""
@@ -165,6 +195,15 @@ class Prefetch(Generic[T]):
         self.discard()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+async def _aclose(stream: AsyncIterator[object]) -> None:
+    """Close the provider's stream (the seams promise only an AsyncIterator); a failure to
+    close is no news: the request is over either way."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 def _timed_out(error: BaseException) -> bool:

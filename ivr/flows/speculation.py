@@ -173,6 +173,8 @@ class TurnSpeculator:
                         self._io.prefetch_speech(pieces[0])
                         return
             seen = len(items)
+            if prefetch.adopted:  # the turn's reply reads it now, and voices it as it comes
+                return
             if prefetch.done:
                 pieces = chunker.flush()
                 if pieces and not prefetch.failed_early:

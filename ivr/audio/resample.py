@@ -68,32 +68,32 @@ class StreamResampler:
         self._src_rate = src_rate
         self._dst_rate = dst_rate
         self._carry = b""
-        self._stream = self._new_stream()
-
-    def _new_stream(self) -> soxr.ResampleStream | None:
-        if self._src_rate == self._dst_rate:
-            return None
-        return soxr.ResampleStream(self._src_rate, self._dst_rate, 1, dtype="float32", quality="HQ")
+        # Made at the first audio: a soxr HQ stream designs its filter when made (~30 us), and
+        # a reply's resampler is flushed once, at its sentence's end, and never used again.
+        self._stream: soxr.ResampleStream | None = None
 
     def push(self, pcm16: bytes) -> bytes:
         data = self._carry + pcm16 if self._carry else pcm16
         whole = len(data) & ~1
         self._carry = data[whole:]
-        if self._stream is None:
+        if self._src_rate == self._dst_rate:
             return data[:whole]
         if whole == 0:
             return b""
+        if self._stream is None:
+            self._stream = soxr.ResampleStream(
+                self._src_rate, self._dst_rate, 1, dtype="float32", quality="HQ"
+            )
         x = np.frombuffer(data, dtype="<i2", count=whole // 2).astype(np.float32)
         return _to_pcm16(self._stream.resample_chunk(x))
 
     def flush(self) -> bytes:
         """Return the held-back tail and reset; a dangling half sample is dropped."""
         self._carry = b""
-        if self._stream is None:
+        stream, self._stream = self._stream, None
+        if stream is None:
             return b""
-        tail = self._stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
-        self._stream = self._new_stream()
-        return _to_pcm16(tail)
+        return _to_pcm16(stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
 
 
 def _halfband_taps(num_taps: int, beta: float) -> npt.NDArray[np.float64]:

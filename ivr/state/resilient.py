@@ -253,6 +253,8 @@ class ResilientCallStore(StreamTokens, FlowSources, WriteBack):
     async def _flush(self) -> None:
         if not await self.primary.ping():
             raise StoreUnavailable("primary store did not answer ping")
-        await self._flush_calls()
+        # Spends first: until the primary knows a token was used here, another instance
+        # would admit a replay of it; the records' write-back can take a while.
         await self._flush_tokens()
+        await self._flush_calls()
         await self._flush_flows()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -25,10 +25,8 @@ class Answer:
     fail_at: int | None = None
     pulled: int = 0
     closed: bool = False
-    _started: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stream(self) -> AsyncIterator[int]:
-        self._started.set()
         try:
             for i in range(self.items):
                 await asyncio.sleep(0)  # a read off the socket

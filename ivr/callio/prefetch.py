@@ -62,8 +62,7 @@ class Prefetch(Generic[T]):
         self._handed: AsyncIterator[T] | None = None
         """The stream, once the task has stopped reading it for the adopter to read on."""
         self._changed = asyncio.Event()
-        self._adopted_event = asyncio.Event()
-        self._adopted = False
+        self._adopted = asyncio.Event()
         self._settled = False
         self._task = asyncio.create_task(self._drain(open_stream), name=f"prefetch-{stage}")
 
@@ -79,7 +78,7 @@ class Prefetch(Generic[T]):
 
     @property
     def adopted(self) -> bool:
-        return self._adopted
+        return self._adopted.is_set()
 
     def items_so_far(self) -> list[T]:
         """What has arrived yet (a snapshot, for peeking at the first sentence)."""
@@ -96,7 +95,7 @@ class Prefetch(Generic[T]):
         stream = open_stream()
         try:
             while True:
-                if self._adopted:  # the adopter reads on from here
+                if self._adopted.is_set():  # the adopter reads on from here
                     self._handed = stream
                     return
                 try:
@@ -105,14 +104,14 @@ class Prefetch(Generic[T]):
                     return
                 self._items.append(item)
                 self._changed.set()
-                if self._adopted:
+                if self._adopted.is_set():
                     continue
                 if len(self._items) >= MAX_BUFFERED:
-                    await self._adopted_event.wait()
+                    await self._adopted.wait()
                 elif self._spacing:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self._spacing):
-                            await self._adopted_event.wait()
+                            await self._adopted.wait()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the adopter at the same point as live
@@ -133,10 +132,9 @@ class Prefetch(Generic[T]):
         first item (its attempts were still running when the turn ended), the adopter gets
         what a turn without speculation would have got, not the speculation's failure. Not
         after a timeout: the prefetch has already used the wait the caller can afford."""
-        if self._adopted:
+        if self._adopted.is_set():
             raise RuntimeError("a prefetch is adopted once")
-        self._adopted = True
-        self._adopted_event.set()
+        self._adopted.set()
         self._settle(PrefetchOutcome.USED)
         return self._replay(live)
 
@@ -180,7 +178,7 @@ class Prefetch(Generic[T]):
 
     def discard(self) -> None:
         """Throw it away: cancel the request if it is still running."""
-        if self._adopted:
+        if self._adopted.is_set():
             return
         self._settle(PrefetchOutcome.FAILED if self.failed_early else PrefetchOutcome.WASTED)
         self._task.cancel()

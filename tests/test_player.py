@@ -142,3 +142,53 @@ async def test_wait_played_falls_back_to_the_playout_clock_when_marks_never_echo
 )
 def test_heard_prefix_keeps_only_words_fully_played(fraction: float, expected: str) -> None:
     assert heard_prefix("one two three four", fraction) == expected
+
+
+def test_the_sender_wakes_once_a_top_up_on_a_loop_whose_timers_fire_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvloop (the server's loop) keeps time in whole milliseconds: on a busy loop (here a task
+    that never lets it wait, as a hundred calls' frames do) a timer fires up to ~1.5 ms before
+    its time by our clock. The sender must top up then, not wait out the rest in sleeps that
+    round to nothing (a spin of wake-ups: ~8 a top-up at 100 calls)."""
+    import uvloop
+
+    sleeps = 0
+    real_sleep = asyncio.sleep
+
+    async def counted_sleep(delay: float, result: object = None) -> object:
+        nonlocal sleeps
+        sleeps += delay > 0  # the busy task's sleep(0) is no timer
+        return await real_sleep(delay, result)
+
+    async def busy_loop() -> None:
+        while True:  # noqa: ASYNC110 - a loop that never waits is the point
+            await asyncio.sleep(0)
+
+    async def play() -> int:
+        wire = Wire()
+        busy = asyncio.create_task(busy_loop())
+        # 20 ms messages, one a wake-up: ~100 wake-ups in the 2 s. The player's clock runs 1 %
+        # slow: by it every timer fires 0.2 ms early, as uvloop's do by a varying part of a
+        # millisecond on a busy loop.
+        t0 = time.monotonic()
+        player = AudioPlayer(
+            wire.media, wire.mark, wire.clear, lead_seconds=0.2, refill_seconds=0.0,
+            chunk_frames=1, clock=lambda: t0 + 0.99 * (time.monotonic() - t0),
+        )  # fmt: skip
+        task = asyncio.create_task(player.run_sender())
+        segment = player.open_segment("a long sentence")
+        await player.write(segment, b"\x00" * 24_000)  # 3 s of audio
+        player.close_segment(segment)
+        done = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(2.0, done.set_result, None)
+        await done
+        await stop(task)
+        await stop(busy)
+        return sum(1 for _, kind, _ in wire.sent if kind == "media")
+
+    monkeypatch.setattr(asyncio, "sleep", counted_sleep)
+    messages = uvloop.run(play())
+    # Each wake-up is one sleep and sends at least one message.
+    assert messages >= 100
+    assert sleeps <= messages + 2, f"{sleeps} sleeps for {messages} messages: it spun"

@@ -205,3 +205,32 @@ async def test_a_write_cut_off_by_the_budget_that_landed_is_not_a_conflict(
     assert store.conflicts == 0
     assert final is not None and final.model_dump(**CONTENT) == ours.model_dump(**CONTENT)
     assert [m.content for m in final.history] == ["hello"]  # applied once, not twice
+
+
+async def test_a_token_redeem_that_overruns_the_budget_still_spends_the_token_in_redis(
+    redis_server: RedisServer,
+) -> None:
+    """The redeem waits past the budget (for the store's one connection, which a slow command
+    holds): the handshake is let in from memory, and the GETDEL still goes out once it can, so
+    Redis refuses the same token to another instance without waiting for the reconciler
+    (not started here). Cancelled at the budget, it never left and the token stayed."""
+    primary = RedisCallStore(redis_server.url, prefix="ivr:", max_connections=1)
+    store = ResilientCallStore(primary, instance_id="gw-1", budget=BUDGET)
+    direct = RedisCallStore(redis_server.url, prefix="ivr:")
+    key = primary.keys.token_key("tok-1")
+    try:
+        await store.put_stream_token("CA1", "tok-1", ttl=60.0)
+        assert await direct.link.redis.exists(key) == 1
+        hog = asyncio.create_task(primary.link.redis.blpop(["ivr:nothing"], timeout=0.6))
+        await asyncio.sleep(0.05)  # the slow command has the connection
+        sid, seconds = await timed(store.redeem_stream_token("tok-1"))
+        assert sid == "CA1" and store.degraded and seconds < BUDGET + SLACK, (sid, seconds)
+        await hog
+        deadline = time.monotonic() + 5
+        while await direct.link.redis.exists(key):
+            assert time.monotonic() < deadline, "the overrun redeem never reached Redis"
+            await asyncio.sleep(0.02)
+        assert await store.redeem_stream_token("tok-1") is None  # a replay here is refused too
+    finally:
+        await store.aclose()
+        await direct.aclose()

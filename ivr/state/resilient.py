@@ -92,6 +92,7 @@ class ResilientCallStore(StreamTokens, FlowSources, WriteBack):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._settle_late_redeems()
         if self._has_pending():
             await self._final_flush()
         await self.primary.aclose()

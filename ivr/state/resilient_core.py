@@ -88,6 +88,8 @@ class ResilientCore:
         self._tokens: dict[str, MintedToken] = {}  # minted here, not yet spent
         self._spent: dict[str, float] = {}  # spent here -> monotonic deadline
         self._pending_spends: dict[str, float] = {}  # spent while degraded: GETDEL on return
+        # Token redeems that overran the budget, left to land (``StreamTokens``)
+        self._late_redeems: set[asyncio.Future[str | None]] = set()
         # Flow sources this instance saved (version -> (sources, deadline)), newest last; the
         # pending ones are written back with their remaining TTL.
         self._flows: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()

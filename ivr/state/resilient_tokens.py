@@ -3,12 +3,17 @@ answers, by this instance while it does not (``ivr.state.resilient``'s docstring
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import structlog
 
 from ivr.state.base import StoreUnavailable
 from ivr.state.resilient_core import MintedToken, ResilientCore
 
 _SWEEP_AT = 1024  # token maps are swept of expired entries past this size
+
+log = structlog.get_logger(__name__)
 
 
 class StreamTokens(ResilientCore):
@@ -44,8 +49,7 @@ class StreamTokens(ResilientCore):
             mine = None
         if not self.degraded:
             try:
-                work = self.primary.redeem_stream_token(token)
-                sid = await self._within_budget("redeem_stream_token", work)
+                sid = await self._redeem_on_primary(token)
             except StoreUnavailable as exc:
                 self._degrade("redeem_stream_token", exc)
             else:
@@ -62,6 +66,36 @@ class StreamTokens(ResilientCore):
         self._pending_spends[token] = deadline  # tell the primary when it is back
         self._wake.set()
         return sid
+
+    async def _redeem_on_primary(self, token: str) -> str | None:
+        """The primary's GETDEL, waited for within the budget. One that overruns it is left to
+        finish, not cancelled: it may be queued for a pooled connection or between the link's
+        retries, and Redis spending the token when it gets there is what refuses a replay on
+        another instance before the reconciler could tell it (this one spends it locally)."""
+        redeem = asyncio.ensure_future(self.primary.redeem_stream_token(token))
+        try:
+            return await self._within_budget("redeem_stream_token", asyncio.shield(redeem))
+        finally:
+            if not redeem.done():
+                self._late_redeems.add(redeem)
+                redeem.add_done_callback(self._late_redeem_done)
+
+    def _late_redeem_done(self, redeem: asyncio.Future[str | None]) -> None:
+        self._late_redeems.discard(redeem)
+        if redeem.cancelled():
+            return
+        if (exc := redeem.exception()) is not None:  # spent here: the reconciler replays it
+            log.info("call_store_late_redeem_failed", error=str(exc)[:200])
+
+    async def _settle_late_redeems(self) -> None:
+        """On close: give the redeems still on their way a budget to land, then cancel them."""
+        if not self._late_redeems:
+            return
+        late = set(self._late_redeems)
+        _, stuck = await asyncio.wait(late, timeout=self.budget)
+        for redeem in stuck:
+            redeem.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     def _sweep_tokens(self) -> None:
         now = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -216,3 +217,47 @@ async def test_the_ended_list_while_redis_is_down_holds_this_instances_ends_and_
     # The outage's end reached the new Redis's index with its write-back.
     assert [r.call_sid for r in await direct.list_ended(10)] == ["CA-during"]
     assert [r.call_sid for r in await store.list_ended(10)] == ["CA-during"]
+
+
+async def test_the_reconciler_tells_redis_of_tokens_spent_before_writing_records_back(
+    redis_server: RedisServer,
+) -> None:
+    """Until Redis knows a stream token was used here, another instance would admit a replay
+    of it; a record's write-back can take a while (many calls queued). So when Redis answers
+    again, the spends go first (watched on Redis's own MONITOR)."""
+    store = resilient(redis_server, budget=0.15)  # reconciler started below: order is ours
+    commands: list[str] = []
+    watcher = aioredis.from_url(redis_server.url)
+    try:
+        await store.create(a_call("CA-t"))
+        await store.put_stream_token("CA-t", "tok-t", ttl=60.0)
+        assert redis_server.process is not None
+        redis_server.process.send_signal(signal.SIGSTOP)  # keeps its data, answers nothing
+        try:
+            await store.update("CA-t", turn(1))  # queued for write-back
+            assert await store.redeem_stream_token("tok-t") == "CA-t"  # spent here
+            assert store.degraded
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+
+        async def watch() -> None:
+            async with watcher.monitor() as monitor:
+                ready.set()
+                async for event in monitor.listen():
+                    commands.append(str(event["command"]))
+
+        ready = asyncio.Event()
+        watching = asyncio.create_task(watch())
+        await asyncio.wait_for(ready.wait(), 5)
+        await asyncio.sleep(0.1)  # MONITOR is on before the reconciler starts
+        await store.start()
+        await until(lambda: not store.degraded and not store.statistics().pending)
+        await asyncio.sleep(0.1)
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    finally:
+        await store.aclose()
+        await watcher.aclose()
+    spend = next(i for i, c in enumerate(commands) if c.startswith("GETDEL") and "tok-t" in c)
+    write = next(i for i, c in enumerate(commands) if "CA-t" in c and not c.startswith("GET "))
+    assert spend < write, commands

@@ -33,7 +33,7 @@ from ivr.call.turns import CallStats, TurnTimings
 from ivr.callio.io import Spoken
 from ivr.errors import ProviderError
 from ivr.obs import metrics
-from ivr.providers.resilience import turn_deadline
+from ivr.providers.resilience import aclose_stream, turn_deadline
 from ivr.tts.base import StreamingTextToSpeech, TextToSpeech
 
 log = structlog.get_logger("ivr.call")
@@ -307,7 +307,7 @@ class SpeechHandle:
                         block.clear()
             finally:
                 # An interrupt that lands while write() waits must still close the TTS stream.
-                await _aclose(stream)
+                await aclose_stream(stream)
             await self._write_pcm(segment, resampler.push(bytes(block)) + resampler.flush())
         except ProviderError as exc:
             provider_failed("tts", exc, self._stats)
@@ -361,10 +361,3 @@ async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIter
         yield pcm
         if player.ahead() > TTS_LOW_WATER_S:
             await asyncio.sleep(TTS_READ_EVERY_S)
-
-
-async def _aclose(stream: object) -> None:
-    """Close an async generator (the seams promise only an AsyncIterator)."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()

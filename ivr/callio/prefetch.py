@@ -27,6 +27,7 @@ import structlog
 
 from ivr.errors import ProviderError, ProviderErrorKind
 from ivr.obs import metrics
+from ivr.providers.resilience import aclose_stream
 
 log = structlog.get_logger("ivr.call")
 
@@ -122,7 +123,7 @@ class Prefetch(Generic[T]):
             self._done = True
             self._changed.set()
             if self._handed is None:
-                await _aclose(stream)
+                await aclose_stream(stream, quiet=True)
 
     def adopt(self, live: Callable[[], AsyncIterator[T]] | None = None) -> AsyncIterator[T]:
         """The stream, from its first item; only once. Closing the iterator early cancels
@@ -157,7 +158,7 @@ class Prefetch(Generic[T]):
                     async for item in stream:
                         yield item
                 finally:
-                    await _aclose(stream)
+                    await aclose_stream(stream, quiet=True)
                 return
             error = self._error
             if error is None:
@@ -174,7 +175,7 @@ class Prefetch(Generic[T]):
                     await self._task
             if (stream := self._handed) is not None:  # handed over, never read on
                 self._handed = None
-                await _aclose(stream)
+                await aclose_stream(stream, quiet=True)
 
     def discard(self) -> None:
         """Throw it away: cancel the request if it is still running."""
@@ -193,15 +194,6 @@ class Prefetch(Generic[T]):
         self.discard()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-
-
-async def _aclose(stream: AsyncIterator[object]) -> None:
-    """Close the provider's stream (the seams promise only an AsyncIterator); a failure to
-    close is no news: the request is over either way."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()
 
 
 def _timed_out(error: BaseException) -> bool:

@@ -20,6 +20,7 @@ attempt), the one it gives up with by the caller that handles it (``count_provid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
@@ -187,9 +188,17 @@ def _recovering(
     )
 
 
-async def aclose_stream(stream: AsyncIterator[Any]) -> None:
+async def aclose_stream(stream: AsyncIterator[Any], *, quiet: bool = False) -> None:
+    """Close ``stream`` if it can be closed (the seams promise only an AsyncIterator; an async
+    generator closes its provider request). ``quiet``: a failure to close is no news, the
+    request is over either way."""
     close = getattr(stream, "aclose", None)
-    if close is not None:
+    if close is None:
+        return
+    if not quiet:
+        await close()
+        return
+    with contextlib.suppress(Exception):
         await close()
 
 

@@ -400,6 +400,34 @@ async def test_a_speculative_llm_request_that_fails_after_the_turn_took_it_is_ne
     assert "sorry" not in (reply.bot_text or "").lower(), report.format_transcript()
 
 
+async def test_a_prefetched_sentence_whose_voice_resets_after_the_turn_took_it_goes_on(
+    gateway_factory: GatewayFactory, fake_openai: FakeOpenAIServer
+) -> None:
+    # The first sentence's speech is asked for at the pause and the turn adopts it; then the
+    # TTS server resets that answer mid-sentence (800 ms in, streamed at real time). The caller
+    # hears its start and then the reply's second sentence: no apology (the reply went on), no
+    # second request for the first sentence (its audio had begun), the second one voiced.
+    fake_openai.transcripts.append("what are your opening hours")
+    fake_openai.chat = answer_by_last_words
+    fake_openai.speech_chunk_bytes = 4800  # 100 ms of 24 kHz PCM16
+    fake_openai.speech_chunk_delay = 0.1
+    before = counts()
+    async with gateway_factory(speculate_after_ms=100) as server:
+        # Set once startup has voiced its own phrases: the next answer is the prefetch's.
+        fake_openai.faults["speech"] = Fault(after_chunks=8, then="reset", times=1)
+        report = await dial(server, ["What are your opening hours?"])
+    assert not report.errors and not report.violations, report.format_transcript()
+    asked = {r.json["input"]: r.outcome for r in fake_openai.requests_for("speech") if r.json}
+    first = "You said what are your opening hours."
+    assert asked.get(first) == "disconnected" and asked.get("Anything else?") == "completed", asked
+    assert [r.json["input"] for r in fake_openai.requests_for("speech") if r.json].count(first) == 1
+    assert delta(before).get("tts.used") == 1, delta(before)
+    reply = report.turns[-1]
+    # ~0.8 s of the first sentence (of ~2.4) and the second (~0.9 s), not the apology.
+    assert 1.2 < reply.bot_audio_seconds < 2.6, reply.bot_audio_seconds
+    assert "sorry" not in (reply.bot_text or "").lower(), report.format_transcript()
+
+
 # -- a say node's reply: its first sentence is what the pause prefetches ---------------------
 
 BIKES = "+15550100778"

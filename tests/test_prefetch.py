@@ -95,3 +95,13 @@ async def test_discarded_unadopted_the_answer_is_closed() -> None:
     prefetch.discard()
     await settle()
     assert answer.closed and answer.pulled == 1
+
+
+async def test_adopted_but_never_read_the_answer_is_closed_by_aclose() -> None:
+    answer = Answer()
+    prefetch: Prefetch[int] = Prefetch("tts", answer.stream, spacing=0.1)
+    await settle()
+    replay = prefetch.adopt()  # the turn took it, then ended before reading a piece
+    await prefetch.aclose()  # teardown
+    assert answer.closed, "left to the garbage collector's finaliser"
+    del replay

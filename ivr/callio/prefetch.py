@@ -190,10 +190,14 @@ class Prefetch(Generic[T]):
             metrics.SPECULATION.labels(self.stage, outcome.value).inc()
 
     async def aclose(self) -> None:
-        """Discard and wait for the request to be gone (teardown)."""
+        """Discard and wait for the request to be gone (teardown); a stream handed to an
+        adopter that never read on is closed here, not left to the garbage collector."""
         self.discard()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        if (stream := self._handed) is not None:
+            self._handed = None
+            await aclose_stream(stream, quiet=True)
 
 
 def _timed_out(error: BaseException) -> bool:

@@ -51,3 +51,15 @@ def test_take_hands_over_the_audio_and_the_next_push_starts_where_it_says() -> N
     kept.push(ramp(0.1), at=7.0)  # the audio between went elsewhere (a session took it)
     assert kept.start == 7.0
     assert kept.end == pytest.approx(7.1)
+
+
+def test_extended_audio_ends_where_everything_pushed_ends_whatever_was_dropped() -> None:
+    kept = TimedAudio(keep_seconds=0.5)
+    for _ in range(10):
+        kept.extend(b"\xff" * 800)  # 100 ms each: 1 s in all, 0.5 s kept
+    assert (kept.start, kept.end) == (0.5, 1.0)
+    kept.drop_through(0.8)
+    assert kept.end == 1.0
+    assert kept.take() == b"\xff" * 1600 and kept.end == 1.0
+    kept.extend(b"\xff" * 400)  # after a take, the next piece still follows on
+    assert (kept.start, kept.end) == (1.0, 1.05)

@@ -45,6 +45,11 @@ class TimedAudio:
         if excess > 0:
             self._drop(excess)
 
+    def extend(self, ulaw: bytes) -> None:
+        """``ulaw`` follows what was pushed before (``end`` is then where a stream of audio
+        pushed from call second 0 has got to, whatever was dropped)."""
+        self.push(ulaw, self.end)
+
     def drop_through(self, second: float) -> None:
         """Forget the audio before call second ``second`` (all of it, if it ends before)."""
         if second > self.start:

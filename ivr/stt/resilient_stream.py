@@ -22,7 +22,7 @@ import structlog
 
 from ivr.audio.codec import ulaw_to_pcm16
 from ivr.audio.resample import resample
-from ivr.audio.timed_audio import BYTES_PER_SECOND, TimedAudio
+from ivr.audio.timed_audio import TimedAudio
 from ivr.errors import ProviderError
 from ivr.obs.metrics import count_provider_error
 from ivr.providers.resilience import RetryPolicy, WarmChain, aclose_stream, first_output
@@ -71,7 +71,6 @@ class ResilientSttSession:
         self._replay = TimedAudio(REPLAY_SECONDS)
         """The unsettled audio; where it starts, a new session's clock starts."""
         self._offset = 0.0
-        self._pushed = 0.0
         self._finalizing = False
         self._ended = False
         self.reconnects = 0
@@ -102,8 +101,7 @@ class ResilientSttSession:
         return self._owner.providers[self._index].name
 
     def push(self, audio: bytes) -> None:
-        self._replay.push(audio, self._pushed)
-        self._pushed += len(audio) / BYTES_PER_SECOND
+        self._replay.extend(audio)
         if self._session is not None:
             self._session.push(audio)
 
@@ -145,7 +143,7 @@ class ResilientSttSession:
         end = None if event.audio_end is None else event.audio_end + offset
         if event.flushed:
             self._finalizing = False
-            end = self._pushed if end is None else end
+            end = self._replay.end if end is None else end
         if end is not None:
             self._replay.drop_through(end)
         return dataclasses.replace(event, words=words, audio_end=end)
@@ -204,19 +202,18 @@ class BatchSttSession:
     def __init__(self, stt: SpeechToText) -> None:
         self._stt = stt
         self._audio = TimedAudio(REPLAY_SECONDS)
-        """The next upload, in session seconds."""
-        self._pushed = 0.0
+        """The next upload, in session seconds; its ``end``: all audio pushed so far."""
         self._asks: deque[tuple[bytes, float] | None] = deque()
         """Each finalize's audio and where it ends, in order; None: the input ended."""
         self._asked = asyncio.Event()
 
     def push(self, audio: bytes) -> None:
-        self._audio.push(audio, self._pushed)
-        self._pushed += len(audio) / BYTES_PER_SECOND
+        self._audio.extend(audio)
 
     def finalize(self) -> None:
         # Taken now: audio pushed after this belongs to the next utterance.
-        self._asks.append((self._audio.take(), self._pushed))
+        end = self._audio.end
+        self._asks.append((self._audio.take(), end))
         self._asked.set()
 
     def end_input(self) -> None:
@@ -233,7 +230,7 @@ class BatchSttSession:
             while self._asks:
                 ask = self._asks.popleft()
                 if ask is None:  # the call is over: nobody waits for words, no upload
-                    yield FinalWords("", audio_end=self._pushed, flushed=True)
+                    yield FinalWords("", audio_end=self._audio.end, flushed=True)
                     return
                 audio, end = ask
                 text = await self._transcribe(audio) if audio else ""

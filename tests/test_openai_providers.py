@@ -639,3 +639,28 @@ def test_thinking_is_switched_off_only_where_the_api_accepts_it() -> None:
         primary = llm.providers[0]  # type: ignore[attr-defined]
         params = primary.request_params([], tools=(), json_schema=None, max_tokens=None)
         assert params.get("extra_body") == expected, url
+
+
+async def test_a_finished_tts_answer_never_holds_back_the_next_request_on_its_connection(srv):
+    # The reader takes the first piece and, with audio in hand, waits; the rest and the answer's
+    # end pile up in the socket and come in one read, on which aiohttp puts the connection back
+    # in the pool. The next request (another call's sentence) goes out on that connection:
+    # pausing the socket after that read held its answer back until the first reader read
+    # again (here never: it ran into its first-byte limit).
+    text = "Hello there."
+    srv.speech_chunk_bytes = len(default_speak(text)) // 2 + 2  # two pieces
+    srv.speech_chunk_delay = 0.05
+    tts = make_tts(srv)
+    first = tts.synthesize(text)
+    await anext(first)
+    await asyncio.sleep(0.3)  # the second piece and the end arrive meanwhile, unread
+    await anext(first)  # both in one read: the answer is over, its connection pooled
+    started = time.monotonic()
+    second = [chunk async for chunk in tts.synthesize("Goodbye.")]
+    took = time.monotonic() - started
+    await first.aclose()
+    await tts.aclose()
+    assert b"".join(second) == default_speak("Goodbye.")
+    assert took < 0.5, f"the second answer waited {took:.2f} s behind the first reader"
+    peers = [r.peer for r in srv.requests_for("speech")]
+    assert len(peers) == 2 and peers[0] == peers[1], "both went over one pooled connection"

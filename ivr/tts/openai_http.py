@@ -136,11 +136,17 @@ class _SocketHold:
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         connection = response.connection
         self._transport = connection.transport if connection is not None else None
+        self._content = response.content
 
     def read(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
 
     def hold(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
+        # Once the answer's end is parsed, aiohttp has put the connection back in the pool: it
+        # may already carry another request, whose answer a pause would hold back until this
+        # stream's next read (up to TTS_READ_EVERY_S later; a whole first-byte limit if never).
+        if self._content.is_eof():
+            self._transport = None
+        elif self._transport is not None and not self._transport.is_closing():
             self._transport.pause_reading()

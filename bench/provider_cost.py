@@ -7,7 +7,8 @@ unit, with ``--concurrency`` units at once as a loaded gateway has them:
 
 * ``tts``: one reply's speech (its two sentences, ~11 s), read as fast as it comes;
 * ``tts paced``: the same read as the gateway reads it (``ivr.call.speech``: once 0.4 s of
-  audio is in hand, no more often than every 100 ms);
+  audio is in hand, next when the listener would be down to 0.4 s, 0.1 to 1 s later);
+* ``tts every 100 ms``: as the gateway read it before stop 37 (every 100 ms past 0.4 s);
 * ``llm``: one 40-token streamed reply; ``stt``: one 3 s utterance.
 
 ``--sdk`` adds the same requests through the openai SDK over its default httpx2 transport, with
@@ -39,11 +40,11 @@ from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.tts.openai_http import OpenAIHttpTts
 
 SENTENCES = [s if s.endswith(".") else s + "." for s in REPLY.split(". ")]
-PACE_AHEAD_S, PACE_EVERY_S = 0.4, 0.1
+PACE_AHEAD_S, PACE_EVERY_S, PACE_MAX_S = 0.4, 0.1, 1.0
 SPEECH_RATE = 24_000
 
 
-async def tts_reply(tts: OpenAIHttpTts, paced: bool) -> None:
+async def tts_reply(tts: OpenAIHttpTts, paced: bool, fixed: bool = False) -> None:
     for sentence in SENTENCES:
         first: float | None = None
         audio_s = 0.0
@@ -53,7 +54,9 @@ async def tts_reply(tts: OpenAIHttpTts, paced: bool) -> None:
             audio_s += len(pcm) / 2 / SPEECH_RATE
             ahead = audio_s - (now - first)
             if paced and ahead > PACE_AHEAD_S:
-                await asyncio.sleep(PACE_EVERY_S)
+                spare = ahead - PACE_AHEAD_S
+                wait = PACE_EVERY_S if fixed else min(PACE_MAX_S, max(PACE_EVERY_S, spare))
+                await asyncio.sleep(wait)
 
 
 async def llm_reply(llm: OpenAICompatLlm) -> None:
@@ -97,6 +100,7 @@ async def main(args: argparse.Namespace) -> None:
         rows: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("tts (a reply, as fast as it comes)", lambda: tts_reply(tts, paced=False)),
             ("tts paced (a reply, as the gateway reads it)", lambda: tts_reply(tts, paced=True)),
+            ("tts every 100 ms (before stop 37)", lambda: tts_reply(tts, paced=True, fixed=True)),
             ("llm (a 40-token reply)", lambda: llm_reply(llm)),
             ("stt (a 3 s utterance)", lambda: stt.transcribe(utterance)),
         ]

@@ -49,9 +49,12 @@ resampler call and a queue write per chunk (bench/capacity.py)."""
 TTS_LOW_WATER_S = 0.4
 """Less than this queued ahead of what the caller hears, and audio goes out as it comes."""
 TTS_READ_EVERY_S = 0.1
-"""With ``TTS_LOW_WATER_S`` in hand, TTS is read no more often than this: each read then takes
-what the server sent meanwhile in one go (~0.4 s of audio at 4x real time), not one socket
-wakeup per 40 ms piece (``ivr.tts.openai_http``)."""
+TTS_READ_MAX_WAIT_S = 1.0
+"""With more than ``TTS_LOW_WATER_S`` in hand, TTS is next read when the caller would be down to
+it (at least ``TTS_READ_EVERY_S``, at most ``TTS_READ_MAX_WAIT_S`` later): each read takes what
+the server sent meanwhile in one go, not one socket wakeup per 40 ms piece
+(``ivr.tts.openai_http``), and at 4x real time the reads grow apart as the audio in hand grows
+(19 reads for a 5 s sentence, not 27 at a fixed 100 ms: ``tests/test_tts_pacing.py``)."""
 
 
 class SpeechHandle:
@@ -356,8 +359,9 @@ def heard_deadline(turn: TurnTimings | None, heard_within: float | None) -> floa
 
 async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:
     """``stream``, asked for its next chunk at once while the caller is short of audio, else
-    ``TTS_READ_EVERY_S`` after the last one."""
+    once they would be down to ``TTS_LOW_WATER_S`` (see ``TTS_READ_MAX_WAIT_S``)."""
     async for pcm in stream:
         yield pcm
-        if player.ahead() > TTS_LOW_WATER_S:
-            await asyncio.sleep(TTS_READ_EVERY_S)
+        spare = player.ahead() - TTS_LOW_WATER_S
+        if spare > 0:
+            await asyncio.sleep(min(TTS_READ_MAX_WAIT_S, max(TTS_READ_EVERY_S, spare)))

@@ -34,13 +34,14 @@ import uvloop
 from arrivals import REPLY, ProviderProfile, providers
 from gateway_harness import API_KEY
 
+from ivr.call.speech import TTS_LOW_WATER_S, TTS_READ_EVERY_S, TTS_READ_MAX_WAIT_S
 from ivr.llm.base import ChatMessage
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.tts.openai_http import OpenAIHttpTts
 
 SENTENCES = [s if s.endswith(".") else s + "." for s in REPLY.split(". ")]
-PACE_AHEAD_S, PACE_EVERY_S, PACE_MAX_S = 0.4, 0.1, 1.0
+PACE_AHEAD_S, PACE_EVERY_S, PACE_MAX_S = TTS_LOW_WATER_S, TTS_READ_EVERY_S, TTS_READ_MAX_WAIT_S
 SPEECH_RATE = 24_000
 
 

@@ -173,9 +173,7 @@ class Prefetch(Generic[T]):
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
-            if (stream := self._handed) is not None:  # handed over, never read on
-                self._handed = None
-                await aclose_stream(stream, quiet=True)
+            await self._close_handed()  # handed over, never read on
 
     def discard(self) -> None:
         """Throw it away: cancel the request if it is still running."""
@@ -195,6 +193,10 @@ class Prefetch(Generic[T]):
         self.discard()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        await self._close_handed()
+
+    async def _close_handed(self) -> None:
+        """Close the stream handed over for the adopter, if nobody reads it on."""
         if (stream := self._handed) is not None:
             self._handed = None
             await aclose_stream(stream, quiet=True)

@@ -145,7 +145,8 @@ class _SocketHold:
     def hold(self) -> None:
         # Once the answer's end is parsed, aiohttp has put the connection back in the pool: it
         # may already carry another request, whose answer a pause would hold back until this
-        # stream's next read (up to TTS_READ_EVERY_S later; a whole first-byte limit if never).
+        # stream's next read (up to a second later in ivr.call.speech's pacing; a whole
+        # first-byte limit if never).
         if self._content.is_eof():
             self._transport = None
         elif self._transport is not None and not self._transport.is_closing():

@@ -7,7 +7,7 @@ import asyncio
 import json
 import multiprocessing
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -47,6 +47,15 @@ def bump(record: CallRecord) -> None:
     record.variables["n"] = record.variables.get("n", 0) + 1
 
 
+def settled(outcome: Outcome, *, billed: int) -> Callable[[CallRecord], None]:
+    """A mutator that settles the call's outcome and Twilio's final word on it."""
+
+    def settle(record: CallRecord) -> None:
+        record.outcome, record.twilio_status, record.billed_seconds = outcome, "completed", billed
+
+    return settle
+
+
 async def test_every_key_lives_under_the_configured_prefix(
     store: RedisCallStore, prefix: str, raw: aioredis.Redis
 ) -> None:
@@ -56,6 +65,27 @@ async def test_every_key_lives_under_the_configured_prefix(
     assert keys == {f"{prefix}call:CA0001", f"{prefix}active", f"{prefix}token:tok1"}
     stored = json.loads(await raw.get(f"{prefix}call:CA0001"))
     assert stored["call_sid"] == "CA0001" and stored["version"] == 1
+
+
+async def test_what_redis_holds_leaves_out_the_new_fields_until_they_are_set(
+    store: RedisCallStore, raw: aioredis.Redis
+) -> None:
+    # A rolling upgrade's previous-version instances forbid unknown fields: a live call's
+    # record, created and updated here, must not carry them at their defaults.
+    key = store.keys.call_key("CA0001")
+    new_fields = {"outcome", "twilio_status", "billed_seconds"}
+    await store.create(a_call())
+    assert not new_fields & set(json.loads(await raw.get(key)))
+    await store.update("CA0001", bump)
+    assert not new_fields & set(json.loads(await raw.get(key)))
+
+    await store.update("CA0001", settled(Outcome.CALLER_HUNG_UP, billed=42))
+    stored = json.loads(await raw.get(key))
+    assert (stored["outcome"], stored["twilio_status"], stored["billed_seconds"]) == (
+        Outcome.CALLER_HUNG_UP.value,
+        "completed",
+        42,
+    )
 
 
 async def test_a_live_call_has_the_active_ttl_and_an_ended_one_the_ended_ttl(
@@ -338,15 +368,7 @@ def test_cli_lists_ended_calls_with_the_consoles_outcome_names(
     async def seed() -> None:
         store = RedisCallStore(LOCAL_REDIS_URL, prefix=prefix)
         await store.create(a_call("CA-gone"))
-
-        def dropped(record: CallRecord) -> None:
-            record.outcome, record.twilio_status, record.billed_seconds = (
-                Outcome.DROPPED,
-                "completed",
-                31,
-            )
-
-        await store.update("CA-gone", dropped)
+        await store.update("CA-gone", settled(Outcome.DROPPED, billed=31))
         await store.end("CA-gone")
         await store.create(a_call("CA-live"))
         await store.aclose()

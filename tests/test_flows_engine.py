@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from ivr.flows.engine import STEPS, FlowRuntimeError, new_state, step
+from ivr.flows.engine import STEPS, FlowRuntimeError, copy_state, new_state, step
 from ivr.flows.events import (
     AgentTurn,
     CallerHungUp,
@@ -20,6 +20,7 @@ from ivr.flows.events import (
     FlowEvent,
     FlowState,
     Hangup,
+    HistoryItem,
     HttpRequest,
     HttpResult,
     IntentClassified,
@@ -131,6 +132,20 @@ def test_step_does_not_modify_the_state_it_was_given() -> None:
     before = state.model_dump()
     step(FLOW, state, CallerPressed("1"))
     assert state.model_dump() == before
+
+
+def test_a_steps_copy_of_the_state_shares_nothing_a_step_could_change() -> None:
+    state = start()
+    state.vars["order"] = {"items": [{"sku": "A1", "sizes": (1, 2)}]}
+    state.env["API_KEY"] = "secret"
+    state.history.append(HistoryItem(role="user", content="hello"))
+    copy = copy_state(state)
+    assert copy == state and copy.env == {**state.env}
+    copy.vars["order"]["items"][0]["sku"] = "B2"
+    copy.env["API_KEY"] = "other"
+    copy.history[-1].content = "changed"
+    assert state.vars["order"] == {"items": [{"sku": "A1", "sizes": (1, 2)}]}
+    assert state.env["API_KEY"] == "secret" and state.history[-1].content == "hello"
 
 
 def test_variables_come_from_defaults_env_and_call_variables_in_that_order() -> None:

@@ -112,12 +112,22 @@ def env_values(flow: Flow, env: Mapping[str, str | None]) -> dict[str, Any]:
     return values
 
 
+def copy_state(state: FlowState) -> FlowState:
+    """A copy the step may change without touching ``state`` (a speculative step is thrown
+    away). Dumped and validated again, not ``model_copy(deep=True)``: pydantic-core copies the
+    containers ~4x faster than ``copy.deepcopy`` (three steps a turn with speculation); the
+    variables are JSON data, so the copy is as deep. ``env`` is never dumped: copied apart."""
+    copy = FlowState.model_validate(state.model_dump())
+    copy.env = dict(state.env)
+    return copy
+
+
 # Built-in variables a sub-flow starts with, copied from the flow that starts it.
 CALL_VARIABLES = ("caller", "called", "call_sid")
 
 
 def step(flow: Flow, state: FlowState, event: FlowEvent) -> tuple[FlowState, list[FlowAction]]:
-    run = _Step(flow, state.model_copy(deep=True))
+    run = _Step(flow, copy_state(state))
     try:
         run.state.steps += 1
         run.handle(event)

@@ -26,7 +26,7 @@ from ivr.providers.openai_http import (
     StageLimits,
     WaitClock,
     payload_error,
-    sse_events,
+    sse_event_batches,
 )
 
 REASONING_OFF: Mapping[str, Any] = {"reasoning_effort": "none"}
@@ -154,14 +154,16 @@ class OpenAICompatLlm:
             kind = response.headers.get("content-type", "")
             if kind.startswith(_NOT_SSE):  # an error page or a JSON body served with status 200
                 raise payload_error(self.name, f"{kind} instead of an event stream")
-            chunks = await stack.enter_async_context(aclosing(sse_events(response.content)))
-            while (chunk := await clock.wait(anext(chunks, None))) is not None:
-                received += 1
-                texts, progressed = _absorb(self.name, chunk, calls)
-                if progressed:
-                    clock.output_started()
-                for text in texts:
-                    yield text
+            batches = sse_event_batches(response.content)
+            batches = await stack.enter_async_context(aclosing(batches))
+            while (batch := await clock.wait(anext(batches, None))) is not None:
+                for chunk in batch:
+                    received += 1
+                    texts, progressed = _absorb(self.name, chunk, calls)
+                    if progressed:
+                        clock.output_started()
+                    for text in texts:
+                        yield text
         if not received:
             raise payload_error(self.name, "the stream ended without a single chunk")
         for call in _finish_tool_calls(self.name, calls):

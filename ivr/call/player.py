@@ -6,10 +6,10 @@ ahead of its playout clock (so a ``clear`` discards little and costs nothing): t
 when only ``lead`` is left and tops the queue up by ``refill`` in one go, instead of waking for
 every message (each wake-up is a timer, a task switch and a pass of the event loop). Messages
 carry 400 ms (``chunk_frames``): each costs a JSON frame, a base64 pass, a WebSocket send and a
-system call whatever its size, so a top-up of 400 ms is one message, not four; at 100 calls a
-turn cost ~14 % less CPU than with 100 ms messages (``bench/capacity.py``). Twilio documents no
-largest message and its own sample sends a second in one; a ``clear`` drops queued audio
-whatever the messages were, and marks are per sentence.
+system call whatever its size, so a top-up of 400 ms is one message, not four; at 100 calls
+the talking calls cost ~9 % less CPU than with 100 ms messages (``bench/capacity.py``).
+Twilio documents no largest message and its own sample sends a second in one; a ``clear``
+drops queued audio whatever the messages were, and marks are per sentence.
 
 Each segment is followed by a mark named ``g<generation>:<seq>``.
 Twilio echoes a mark once the audio before it has played, and echoes *every* pending mark at

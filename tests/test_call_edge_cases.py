@@ -623,34 +623,6 @@ nodes:
     assert clears_after_speech >= 1
 
 
-async def test_bot_speech_goes_out_in_400_ms_messages_of_whole_frames(
-    gateway_factory: GatewayFactory, tmp_path: Path
-) -> None:
-    # Each message costs the gateway the same whatever it carries: a top-up of 400 ms is one.
-    flow = """
-name: t
-start: long
-nodes:
-  long:
-    kind: say
-    text: >-
-      This is a long announcement that keeps going for a good few seconds, so that the
-      gateway has to send its audio in many messages while the caller listens to it.
-    next: bye
-  bye: {kind: hangup, say: Bye.}
-"""
-    async with gateway_factory(flows_dir=write_flow(tmp_path, flow)) as server:
-        path = stream_path(await voice(server.base_url, "CA9"))
-        assert path
-        line = await Line.open(server.base_url, path, "CA9", "MZ9")
-        await line.feed([SILENCE] * 150)  # three seconds of the announcement
-        await line.drop()
-    sizes = [size for _, kind, size in line.events if kind == "media"]
-    assert sizes and all(size % 160 == 0 for size in sizes), sizes
-    assert max(sizes) == 3200, sizes
-    assert sum(s for s in sizes if s == 3200) >= 0.8 * sum(sizes), sizes
-
-
 # -- 8. resuming is bounded ------------------------------------------------------------------
 
 

@@ -3,15 +3,9 @@
 Bot speech is a sequence of *segments* (one per sentence). Each segment's mu-law audio is sent
 in 20 ms multiples, paced so that ``lead`` to ``lead + refill`` seconds are queued at Twilio
 ahead of its playout clock (so a ``clear`` discards little and costs nothing): the sender wakes
-when only ``lead`` is left and tops the queue up by ``refill`` in one go, instead of waking for
-every message (each wake-up is a timer, a task switch and a pass of the event loop). Messages
-carry 400 ms (``chunk_frames``): each costs a JSON frame, a base64 pass, a WebSocket send and a
-system call whatever its size, so a top-up of 400 ms is one message, not four; at 100 calls
-the talking calls cost ~9 % less CPU than with 100 ms messages (``bench/capacity.py``).
-Twilio documents no largest message and its own sample sends a second in one; a ``clear``
-drops queued audio whatever the messages were, and marks are per sentence.
-
-Each segment is followed by a mark named ``g<generation>:<seq>``.
+when only ``lead`` is left and tops the queue up by ``refill`` in one go, 100 ms messages back
+to back, instead of waking for every message (each wake-up is a timer, a task switch and a
+pass of the event loop). Each segment is followed by a mark named ``g<generation>:<seq>``.
 Twilio echoes a mark once the audio before it has played, and echoes *every* pending mark at
 once on ``clear``, possibly after new speech has begun. An interrupt starts a new generation
 and numbers its segments from 1 again, so the generation in a mark's name is the one thing
@@ -159,7 +153,7 @@ class AudioPlayer:
         *,
         lead_seconds: float = 0.6,
         refill_seconds: float = 0.4,
-        chunk_frames: int = 20,
+        chunk_frames: int = 5,
         max_buffered_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_first_media: Callable[[float], None] | None = None,

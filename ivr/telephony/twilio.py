@@ -193,7 +193,7 @@ def media_message(stream_sid: str, ulaw: bytes) -> str:
     if not ulaw or len(ulaw) % 160:
         raise ValueError(f"outbound media must be whole 20 ms frames, got {len(ulaw)} bytes")
     payload = base64.b64encode(ulaw).decode("ascii")
-    # Formatted rather than json.dumps'd (every message of bot audio): base64 needs no
+    # Formatted rather than json.dumps'd (every 100 ms of bot audio): base64 needs no
     # escaping, and the stream SID is escaped on its own.
     sid = json.dumps(stream_sid)
     return f'{{"event":"media","streamSid":{sid},"media":{{"payload":"{payload}"}}}}'

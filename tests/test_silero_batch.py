@@ -63,6 +63,25 @@ async def probabilities_batched(pcm16: bytes, vad: SileroVad) -> list[float]:
     return probs
 
 
+def test_the_model_is_given_the_callers_audio_in_windows_each_with_the_last_ones_end() -> None:
+    """What ``_take`` hands the model: 256-sample windows of the frames' audio in order,
+    scaled to [-1, 1), each led by the previous window's last 32 samples (silence before the
+    first); after a reset, the next window starts from silence again."""
+    audio = caller_audio(1)[: 320 * 41]  # 41 frames: 25 whole windows and half a frame
+    vad = SileroVad()
+    windows = [w for f, _ in frames(audio) if (w := vad._take(f)) is not None]
+    samples = np.frombuffer(audio, dtype="<i2").astype(np.float32) / 32768
+    padded = np.concatenate([np.zeros(32, dtype=np.float32), samples])
+    assert len(windows) == len(samples) // 256 == 25
+    for i, window in enumerate(windows):
+        np.testing.assert_array_equal(window[0], padded[256 * i : 256 * i + 288])
+    vad.reset()  # 160 samples were left over: dropped
+    again = [w for f, _ in frames(audio[: 320 * 13]) if (w := vad._take(f)) is not None]
+    np.testing.assert_array_equal(again[0][0], padded[:288])
+    with pytest.raises(ValueError, match="320-byte frames, got 160 bytes"):
+        vad._take(bytes(160))
+
+
 async def test_batched_windows_get_exactly_what_each_stream_would_get_alone() -> None:
     audios = [caller_audio(i) for i in range(6)]
     alone = [probabilities_alone(a) for a in audios]

@@ -20,6 +20,7 @@ from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ivr.errors import ProviderError
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
 from ivr.providers.openai_http import (
     OpenAIEndpoint,
@@ -157,13 +158,22 @@ class OpenAICompatLlm:
             batches = sse_event_batches(response.content)
             batches = await stack.enter_async_context(aclosing(batches))
             while (batch := await clock.wait(anext(batches, None))) is not None:
-                for chunk in batch:
-                    received += 1
-                    texts, progressed = _absorb(self.name, chunk, calls)
-                    if progressed:
-                        clock.output_started()
-                    for text in texts:
-                        yield text
+                # The text of the events one read found goes on as one delta: every delta
+                # is a trip through each layer above (flow, prefetch, sentence splitter).
+                merged: list[str] = []
+                try:
+                    for chunk in batch:
+                        received += 1
+                        texts, progressed = _absorb(self.name, chunk, calls)
+                        if progressed:
+                            clock.output_started()
+                        merged.extend(t.text for t in texts)
+                except ProviderError:
+                    if merged:  # what came before a malformed chunk is still handed over
+                        yield TextDelta("".join(merged))
+                    raise
+                if merged:
+                    yield TextDelta(merged[0] if len(merged) == 1 else "".join(merged))
         if not received:
             raise payload_error(self.name, "the stream ended without a single chunk")
         for call in _finish_tool_calls(self.name, calls):

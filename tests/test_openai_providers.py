@@ -22,6 +22,7 @@ from ivr.audio.wav import wav_to_pcm16
 from ivr.errors import ProviderError, ProviderErrorKind, ProviderStatusError, ProviderTimeout
 from ivr.llm.base import ChatMessage, LlmEvent, TextDelta, ToolCall, ToolSpec
 from ivr.llm.openai_compat import CHAT_TEMPLATE_NO_THINKING, REASONING_OFF, OpenAICompatLlm
+from ivr.providers.openai_http import MAX_SSE_LINE
 from ivr.stt.openai_http import OpenAIHttpStt
 from ivr.testing.openai_server import (
     SPEECH_RATE,
@@ -267,6 +268,21 @@ async def test_an_event_that_is_not_json_is_an_unusable_answer(srv):
     with pytest.raises(ProviderError) as info:
         await collect(make_llm(srv), USER)
     assert info.value.kind is ProviderErrorKind.PAYLOAD
+
+
+async def test_a_line_that_never_ends_is_refused_after_a_mebibyte_with_the_text_before_it(srv):
+    # A server (or a proxy) that streams garbage without a newline must not grow our memory
+    # until the total timeout: past MAX_SSE_LINE the answer is unusable, what came is kept.
+    body = sse(delta("Hello")) + b"data: " + b"x" * (MAX_SSE_LINE + 4096)
+    srv.faults["chat"] = Fault(raw=body, content_type="text/event-stream")
+    llm, got = make_llm(srv), []
+    with pytest.raises(ProviderError) as info:
+        async for event in llm.stream_chat(USER):
+            got.append(event)
+    await llm.aclose()
+    assert got == [TextDelta("Hello")]
+    assert info.value.kind is ProviderErrorKind.PAYLOAD
+    assert f"line longer than {MAX_SSE_LINE} bytes" in str(info.value)
 
 
 async def test_no_server_listening_is_a_retryable_connect_error():

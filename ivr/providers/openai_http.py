@@ -212,17 +212,13 @@ async def sse_event_batches(content: aiohttp.StreamReader) -> AsyncGenerator[lis
     an ``"error"`` key) raises ``StreamErrorEvent``, data that is not JSON ``ValueError``: both
     after the events before it have been handed over."""
     parser = SseParser()
-    while chunk := await content.readany():
-        events = parser.feed(chunk)
+    while not parser.done and parser.error is None:
+        chunk = await content.readany()
+        events = parser.feed(chunk) if chunk else parser.finish()
         if events:
             yield events
-        if parser.error is not None:
-            raise parser.error
-        if parser.done:
-            return
-    events = parser.finish()
-    if events:
-        yield events
+        if not chunk:
+            break
     if parser.error is not None:
         raise parser.error
 

@@ -197,6 +197,7 @@ async def listen_rate(args: argparse.Namespace, gw: GatewayProcess, calls: int) 
     cpu = CpuSampler(gw)
     sampler = asyncio.create_task(cpu.run())
     load = ListenLoad(gw, calls, noise_payloads(args.noise_rms))
+    load.phase_slots = args.phase_slots
     warmup = 6.0 + calls * 0.03
     try:
         runner = asyncio.create_task(load.run(args.listen + warmup))
@@ -305,6 +306,7 @@ async def run_level(
             else:
                 load = TalkLoad(gw, calls, noise, render_lines(CLASSIC_LINES), ramp=10.0)
                 duration = 10.0 + args.classic_duration
+            load.phase_slots = args.phase_slots
             await talk(args, gw, prov, load, duration, row)
             if proxy is not None:
                 row.provider_connections = proxy.connections
@@ -392,6 +394,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vad", default="silero")
     p.add_argument("--log-level", default="info", help="the gateway's (info: as in production)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the shared call store")
+    p.add_argument(
+        "--phase-slots",
+        type=int,
+        default=1,
+        help="spread the callers' frames over N slots of each 20 ms, as real streams arrive"
+        " (1: all in one burst, the issue's harness)",
+    )
     p.add_argument("--noise-rms", type=float, default=16.0, help="caller line noise (PCM16 rms)")
     p.add_argument(
         "--tts",
@@ -441,9 +450,15 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
                 report(rows[-1])
     with_deltas(rows)
     settings = " ".join(args.env) or "default settings"
+    frames = (
+        "all callers' frames in one burst every 20 ms"
+        if args.phase_slots <= 1
+        else f"callers' frames spread over {args.phase_slots} slots of each 20 ms"
+    )
     print_table(
         rows,
         f"Capacity: gateway on CPU {args.gateway_cpus}, {args.workers} worker(s), {settings}; "
+        f"{frames}; "
         f"arrivals every {args.interval * 1000:.0f} ms, providers {profile.describe()}; "
         f"old load: {replace(CLASSIC, tts=args.tts).describe()}",
     )

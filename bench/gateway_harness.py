@@ -307,6 +307,8 @@ class Stream:
     bursts: list[list[float]] = field(default_factory=list)
     closed_t: float | None = None
     media_in: int = 0
+    slot: int = 0
+    """Which of the ticker's ``phase_slots`` of each 20 ms its frames go out in."""
 
     def media_json(self, payload: str) -> str:
         self.seq += 1
@@ -359,7 +361,12 @@ class ListenLoad:
         self.errors: list[str] = []
         self.stop_at = 0.0
         self.tick_lag: list[float] = []
-        """How late each 20 ms tick of the callers ran (the bench's own loop health)."""
+        """How late each tick of the callers ran (the bench's own loop health)."""
+        self.phase_slots = 1
+        """Each 20 ms is cut into this many slots, and each stream sends its frame in its own
+        slot (streams take them in turn): real Twilio streams each keep their own clock, so
+        frames of different calls arrive spread over the 20 ms. 1: every stream's frame at
+        once, in one burst (the issue's harness)."""
 
     async def run(self, duration: float) -> None:
         self.stop_at = time.monotonic() + duration
@@ -408,6 +415,7 @@ class ListenLoad:
             )
             await ws.send(json.dumps(start_message(call_sid, sid)))
             stream = self.new_stream(ws, sid, t0)
+            stream.slot = len(self.streams) % max(1, self.phase_slots)
             self.streams.append(stream)
             self.active.add(stream)
             try:
@@ -457,18 +465,24 @@ class ListenLoad:
         )
 
     async def _ticker(self) -> None:
-        """Every 20 ms: one media frame per live stream, plus marks whose audio has played."""
+        """Every 20 ms: one media frame per live stream, plus marks whose audio has played
+        (the streams spread over ``phase_slots`` of the 20 ms)."""
         origin = time.monotonic()
+        slots = max(1, self.phase_slots)
+        step = FRAME_S / slots
         tick = 0
         while True:
             tick += 1
-            delay = origin + tick * FRAME_S - time.monotonic()
+            delay = origin + tick * step - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             now = time.monotonic()
-            self.tick_lag.append(now - (origin + tick * FRAME_S))
-            payload = self.payloads[tick % len(self.payloads)]
+            self.tick_lag.append(now - (origin + tick * step))
+            frame, slot = divmod(tick, slots)
+            payload = self.payloads[frame % len(self.payloads)]
             for stream in list(self.active):
+                if stream.slot != slot:
+                    continue
                 with contextlib.suppress(ConnectionClosed):
                     while stream.marks and stream.marks[0][0] <= now:
                         await stream.ws.send(stream.mark_json(stream.marks.pop(0)[1]))

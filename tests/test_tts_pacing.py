@@ -1,27 +1,18 @@
 """How the speech path reads a streaming TTS answer (``ivr.call.speech._paced``): at once while
 the caller is short of audio, then in gulps spaced by what they have in hand, never so late
 that they run dry. Real HTTP: the fake OpenAI server streams 40 ms pieces every 10 ms (4x
-real time, the capacity issue's TTS) to the real adapter, whose audio a real player queues.
-A streaming voice (Cartesia's protocol, a real WebSocket) reaches the player in blocks too."""
+real time, the capacity issue's TTS) to the real adapter, whose audio a real player queues."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
-from collections.abc import AsyncIterator
 
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import StreamResampler
-from ivr.call.player import TTS_BLOCK_S, AudioPlayer, Segment
-from ivr.call.reply_timing import ReplyTiming
+from ivr.call.player import AudioPlayer
 from ivr.call.speech import TTS_LOW_WATER_S, _paced
-from ivr.call.streamed_speech import StreamedReply
-from ivr.call.turns import CallStats
-from ivr.testing.cartesia_server import FakeCartesiaServer
 from ivr.testing.openai_server import FakeOpenAIServer
-from ivr.testing.tts_script import TtsScript
-from ivr.tts.cartesia import CartesiaTts
 from ivr.tts.openai_http import OpenAIHttpTts
 
 KEY = "sk-test"
@@ -69,48 +60,3 @@ async def test_a_fast_tts_is_read_in_few_gulps_and_the_caller_never_runs_dry() -
     # time the caller would be down to it: 19 in all here. Every 100 ms took 27.
     assert reads <= 22, reads
     assert lowest > 0.2, f"the caller was down to {lowest:.2f} s of audio at a read"
-
-
-async def _one_piece(text: str) -> AsyncIterator[str]:
-    yield text
-
-
-async def test_a_streaming_voice_reaches_the_player_in_blocks_once_the_caller_has_enough() -> None:
-    # 40 ms messages at 4x real time: one player write each cost a wake-up and a queue entry
-    # (the capacity bench's Cartesia run: ~280 writes a turn); whole, the caller never waits.
-    async with FakeCartesiaServer(api_key=KEY) as srv:
-        srv.script = TtsScript(first_audio=0.12, speed=4, chunk_seconds=0.04)
-        voice = CartesiaTts(api_key=KEY, voice="voice-1", base_url=srv.url)
-        player = AudioPlayer(_nowhere, _nowhere, _nowhere, lead_seconds=0.6, refill_seconds=0.4)
-        sender = asyncio.create_task(player.run_sender())
-        writes: list[tuple[int, float]] = []  # bytes, and what the caller had in hand
-
-        async def write(segment: Segment, ulaw: bytes) -> None:
-            writes.append((len(ulaw), player.ahead()))
-            await player.write(segment, ulaw)
-
-        reply = StreamedReply(
-            voice, open_segment=player.open_segment, write=write,
-            close_segment=player.close_segment, ahead=player.ahead, apologise=_nowhere,
-            timing=ReplyTiming(None, on_turn=None, clock=time.monotonic, llm_name="llm",
-                               tts_name="cartesia"),
-            stats=CallStats(), clock=time.monotonic,
-        )  # fmt: skip
-        try:
-            await reply.produce(_one_piece(SENTENCE), None, None)
-        finally:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
-            await voice.aclose()
-    assert reply.segment is not None and not reply.failed
-    seconds = sum(n for n, _ in writes) / 8000
-    assert seconds == reply.segment.duration and seconds > 4.0
-    pieces = seconds / 0.04
-    block = round(TTS_BLOCK_S * 8000)
-    filled = [n for n, ahead in writes[:-1] if ahead >= TTS_LOW_WATER_S]
-    assert filled and all(n >= block for n in filled), filled
-    assert len(writes) < pieces / 2, f"{len(writes)} writes for {pieces:.0f} pieces"
-    since_filled = [
-        a for i, (_, a) in enumerate(writes) if any(b >= TTS_LOW_WATER_S for _, b in writes[:i])
-    ]
-    assert since_filled and min(since_filled) > 0.2, "the caller ran short of audio"

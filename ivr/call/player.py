@@ -31,14 +31,6 @@ BYTES_PER_SECOND = 8000
 ULAW_SILENCE = b"\xff"
 SPOKEN_S_PER_CHAR = 0.06  # ~16 characters a second, typical of TTS voices
 
-TTS_BLOCK_S = 0.2
-"""TTS audio is resampled, encoded and queued in blocks of about this much once the caller
-has enough ahead of them: a provider streaming 40 ms chunks at 4x real time otherwise costs a
-resampler call and a queue write per chunk (bench/capacity.py); a streaming voice's 40 ms
-messages, a player write, a wake-up and a queue entry each."""
-TTS_LOW_WATER_S = 0.4
-"""Less than this queued ahead of what the caller hears, and audio goes out as it comes."""
-
 _MARK_NAME = re.compile(r"g(\d+):(\d+)(h?)")
 FRAME_SECONDS = FRAME_BYTES / BYTES_PER_SECOND
 WAKE_SLACK_S = 0.01

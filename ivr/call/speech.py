@@ -24,7 +24,7 @@ import structlog
 from ivr import phrases
 from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.resample import StreamResampler
-from ivr.call.player import TTS_BLOCK_S, TTS_LOW_WATER_S, AudioPlayer, Segment, heard_prefix
+from ivr.call.player import AudioPlayer, Segment, heard_prefix
 from ivr.call.prompts import PromptCache
 from ivr.call.reply_text import ReplyText, provider_failed
 from ivr.call.reply_timing import ReplyTiming, TurnRecorder
@@ -42,6 +42,12 @@ HEARD_MARGIN = 0.15
 """Of heard_within, what sending the first frame and Twilio playing it take (seconds)."""
 SENTENCE_QUEUE_SIZE = 4
 """Sentences waiting for TTS: enough to keep synthesis busy, few enough to drop cheaply."""
+TTS_BLOCK_S = 0.2
+"""TTS audio is resampled, encoded and queued in blocks of about this much once the caller
+has enough ahead of them: a provider streaming 40 ms chunks at 4x real time otherwise costs a
+resampler call and a queue write per chunk (bench/capacity.py)."""
+TTS_LOW_WATER_S = 0.4
+"""Less than this queued ahead of what the caller hears, and audio goes out as it comes."""
 TTS_READ_EVERY_S = 0.1
 TTS_READ_MAX_WAIT_S = 1.0
 """With more than ``TTS_LOW_WATER_S`` in hand, TTS is next read when the caller would be down to
@@ -104,8 +110,7 @@ class SpeechHandle:
             return
         reply = self._streamed = StreamedReply(
             self._voice, open_segment=self._open_segment, write=self._write,
-            close_segment=self._player.close_segment, ahead=self._player.ahead,
-            apologise=self._apologise,
+            close_segment=self._player.close_segment, apologise=self._apologise,
             timing=self._timing, stats=self._stats, clock=self._clock,
         )  # fmt: skip
         deadline = heard_deadline(self.turn, self._heard_within)

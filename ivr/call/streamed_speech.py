@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 
-from ivr.call.player import TTS_BLOCK_S, TTS_LOW_WATER_S, Segment, heard_prefix
+from ivr.call.player import Segment, heard_prefix
 from ivr.call.reply_text import ReplyText, provider_failed
 from ivr.call.reply_timing import ReplyTiming
 from ivr.call.turns import CallStats, TurnTimings
@@ -47,7 +47,6 @@ class StreamedReply:
         open_segment: Callable[[str], Segment],
         write: Callable[[Segment, bytes], Awaitable[None]],
         close_segment: Callable[[Segment], None],
-        ahead: Callable[[], float],
         apologise: Callable[[], Awaitable[None]],
         timing: ReplyTiming,
         stats: CallStats,
@@ -57,8 +56,6 @@ class StreamedReply:
         self._open_segment = open_segment
         self._write = write
         self._close_segment = close_segment
-        self._ahead = ahead
-        """Seconds of audio the caller has in hand (the player's)."""
         self._apologise = apologise
         self._timing = timing
         self._stats = stats
@@ -164,26 +161,18 @@ class StreamedReply:
         session.push_text(piece + " ")  # the providers speak a word once its space has come
 
     async def _play(self, session: TextToSpeechSession) -> None:
-        held = bytearray()  # as the batch path: blocks of TTS_BLOCK_S once the caller has enough
-        block_bytes = round(TTS_BLOCK_S * 8000)
         try:
-            try:
-                async for part in session:
-                    self.words += part.words
-                    if not part.audio:
-                        continue
-                    if self.segment is None:
-                        self._timing.first_byte(self._started)
-                        self.segment = self._open_segment(self.text)
-                    held += part.audio
-                    if len(held) >= block_bytes or self._ahead() < TTS_LOW_WATER_S:
-                        await self._write(self.segment, bytes(held))
-                        held.clear()
-            except ProviderError as exc:
-                provider_failed("tts", exc, self._stats)
-                self.failed = True
-            if held and self.segment is not None:  # the audio's end, or what came before a failure
-                await self._write(self.segment, bytes(held))
+            async for part in session:
+                self.words += part.words
+                if not part.audio:
+                    continue
+                if self.segment is None:
+                    self._timing.first_byte(self._started)
+                    self.segment = self._open_segment(self.text)
+                await self._write(self.segment, part.audio)
+        except ProviderError as exc:
+            provider_failed("tts", exc, self._stats)
+            self.failed = True
         finally:
             if self.segment is not None:
                 self._close_segment(self.segment)

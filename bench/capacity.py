@@ -30,6 +30,10 @@ more than 50 ms over 1 call's, or that has errors.
     .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 20
     .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 15 --py-spy-at 0
     .venv/bin/python bench/capacity.py --levels 50,100 --classic '' --tts cartesia
+    .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --phase-slots 10
+
+``--phase-slots 10``: the callers' frames spread over ten slots of each 20 ms, as real streams
+(each on its own clock) arrive; by default every stream's frame goes out in one burst.
 
 ``--tts cartesia``: the voice is a local Cartesia TTS WebSocket (in the providers' process, the
 same timings, 8 kHz mu-law, so the gateway neither resamples nor encodes); the TTS in-flight

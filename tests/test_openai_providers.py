@@ -242,17 +242,26 @@ def delta(text: str) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def test_an_error_event_mid_stream_is_a_retryable_status_error_after_the_text(srv):
-    body = sse(delta("Hello"), 'event: error\ndata: {"error": {"message": "overloaded"}}\n\n')
+async def events_before_error(srv, body: bytes) -> tuple[list[LlmEvent], ProviderError]:
+    """What the LLM hands over from the raw event stream ``body`` before the ProviderError
+    that must end it, and that error."""
     srv.faults["chat"] = Fault(raw=body, content_type="text/event-stream")
     llm, got = make_llm(srv), []
-    with pytest.raises(ProviderError) as info:
-        async for event in llm.stream_chat(USER):
-            got.append(event)
-    await llm.aclose()
+    try:
+        with pytest.raises(ProviderError) as info:
+            async for event in llm.stream_chat(USER):
+                got.append(event)
+    finally:
+        await llm.aclose()
+    return got, info.value
+
+
+async def test_an_error_event_mid_stream_is_a_retryable_status_error_after_the_text(srv):
+    body = sse(delta("Hello"), 'event: error\ndata: {"error": {"message": "overloaded"}}\n\n')
+    got, error = await events_before_error(srv, body)
     assert got == [TextDelta("Hello")]
-    assert info.value.kind is ProviderErrorKind.STATUS and info.value.retryable
-    assert "overloaded" in str(info.value)
+    assert error.kind is ProviderErrorKind.STATUS and error.retryable
+    assert "overloaded" in str(error)
 
 
 async def test_events_are_read_across_comments_crlf_and_a_missing_last_blank_line(srv):
@@ -274,15 +283,10 @@ async def test_a_line_that_never_ends_is_refused_after_a_mebibyte_with_the_text_
     # A server (or a proxy) that streams garbage without a newline must not grow our memory
     # until the total timeout: past MAX_SSE_LINE the answer is unusable, what came is kept.
     body = sse(delta("Hello")) + b"data: " + b"x" * (MAX_SSE_LINE + 4096)
-    srv.faults["chat"] = Fault(raw=body, content_type="text/event-stream")
-    llm, got = make_llm(srv), []
-    with pytest.raises(ProviderError) as info:
-        async for event in llm.stream_chat(USER):
-            got.append(event)
-    await llm.aclose()
+    got, error = await events_before_error(srv, body)
     assert got == [TextDelta("Hello")]
-    assert info.value.kind is ProviderErrorKind.PAYLOAD
-    assert f"line longer than {MAX_SSE_LINE} bytes" in str(info.value)
+    assert error.kind is ProviderErrorKind.PAYLOAD
+    assert f"line longer than {MAX_SSE_LINE} bytes" in str(error)
 
 
 async def test_no_server_listening_is_a_retryable_connect_error():

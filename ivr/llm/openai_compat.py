@@ -173,7 +173,7 @@ class OpenAICompatLlm:
                         yield TextDelta("".join(merged))
                     raise
                 if merged:
-                    yield TextDelta(merged[0] if len(merged) == 1 else "".join(merged))
+                    yield TextDelta("".join(merged))
         if not received:
             raise payload_error(self.name, "the stream ended without a single chunk")
         for call in _finish_tool_calls(self.name, calls):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
 from typing import Generic, TypeVar
 
@@ -51,12 +51,20 @@ class Prefetch(Generic[T]):
     """One speculative stream of ``T`` (LLM events, PCM chunks) for one ``stage``."""
 
     def __init__(
-        self, stage: str, open_stream: Callable[[], AsyncIterator[T]], *, spacing: float = 0.0
+        self,
+        stage: str,
+        open_stream: Callable[[], AsyncIterator[T]],
+        *,
+        spacing: float = 0.0,
+        join: Callable[[Sequence[T]], Sequence[T]] | None = None,
     ) -> None:
         """``spacing``: until adopted, wait this long between items after the first (a
-        speculative sentence's speech is not playing yet: its reads need not be prompt)."""
+        speculative sentence's speech is not playing yet: its reads need not be prompt).
+        ``join``: makes what arrived before the adopter asked into fewer items (an LLM's
+        text deltas into one), each a trip through every layer above the adopter."""
         self.stage = stage
         self._spacing = spacing
+        self._join = join
         self._items: list[T] = []
         self._error: BaseException | None = None
         self._done = False
@@ -144,8 +152,10 @@ class Prefetch(Generic[T]):
         try:
             while True:
                 while sent < len(self._items):
-                    sent += 1
-                    yield self._items[sent - 1]
+                    backlog = self._items[sent:]
+                    sent = len(self._items)
+                    for item in backlog if self._join is None else self._join(backlog):
+                        yield item
                 if self._done:
                     break
                 self._changed.clear()

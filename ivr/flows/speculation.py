@@ -64,6 +64,7 @@ class PrefetchingModel:
             lambda: self.inner.stream_chat(
                 messages, tools=tools, json_schema=json_schema, max_tokens=max_tokens
             ),
+            join=join_text,
         )
         self._pending = (request, prefetch)
         return prefetch
@@ -199,3 +200,20 @@ class TurnSpeculator:
                 await voicing
         if self._llm is not None:
             await self._llm.aclose()
+
+
+def join_text(events: Sequence[LlmEvent]) -> list[LlmEvent]:
+    """``events`` with each run of text deltas as one delta (tool calls stay where they are)."""
+    joined: list[LlmEvent] = []
+    run: list[str] = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            run.append(event.text)
+            continue
+        if run:
+            joined.append(TextDelta("".join(run)))
+            run = []
+        joined.append(event)
+    if run:
+        joined.append(TextDelta("".join(run)))
+    return joined

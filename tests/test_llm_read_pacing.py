@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -29,17 +29,10 @@ REPLY = (
 TOKENS = [w if i == 0 else " " + w for i, w in enumerate(REPLY.split(" "))]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(api_key=KEY) as srv:
-        yield srv
-
-
 @pytest.fixture
-def srv(server: FakeOpenAIServer) -> FakeOpenAIServer:
-    server.reset()
-    server.chat = ChatScript(text=REPLY, tokens=TOKENS, token_delay=1 / 700)
-    return server
+def srv(fake_openai: FakeOpenAIServer) -> FakeOpenAIServer:
+    fake_openai.chat = ChatScript(text=REPLY, tokens=TOKENS, token_delay=1 / 700)
+    return fake_openai
 
 
 def llm(srv: FakeOpenAIServer) -> OpenAICompatLlm:

@@ -34,7 +34,12 @@ import uvloop
 from arrivals import REPLY, ProviderProfile, providers
 from gateway_harness import API_KEY
 
-from ivr.call.speech import TTS_LOW_WATER_S, TTS_READ_EVERY_S, TTS_READ_MAX_WAIT_S
+from ivr.call.speech import (
+    TTS_FILL_FROM_S,
+    TTS_LOW_WATER_S,
+    TTS_READ_EVERY_S,
+    TTS_READ_MAX_WAIT_S,
+)
 from ivr.llm.base import ChatMessage
 from ivr.llm.openai_compat import OpenAICompatLlm
 from ivr.stt.openai_http import OpenAIHttpStt
@@ -58,6 +63,8 @@ async def tts_reply(tts: OpenAIHttpTts, paced: bool, fixed: bool = False) -> Non
                 spare = ahead - PACE_AHEAD_S
                 wait = PACE_EVERY_S if fixed else min(PACE_MAX_S, max(PACE_EVERY_S, spare))
                 await asyncio.sleep(wait)
+            elif paced and not fixed and ahead >= TTS_FILL_FROM_S:
+                await asyncio.sleep(ahead / 2)  # filling: ivr.call.speech._paced
 
 
 async def llm_reply(llm: OpenAICompatLlm) -> None:

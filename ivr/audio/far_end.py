@@ -29,12 +29,10 @@ class _Played:
     at: int
     """Sample index it starts playing at."""
     ulaw: bytes
+    end: int
+    """Sample index after its last (a field, not worked out: read ~6 times a piece sent)."""
     _pcm: npt.NDArray[np.float64] | None = None
     _frame_power: npt.NDArray[np.float64] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.at + len(self.ulaw)
 
     def pcm(self) -> npt.NDArray[np.float64]:
         if self._pcm is None:
@@ -57,6 +55,7 @@ class _Played:
 
     def truncate(self, end: int) -> None:
         self.ulaw = self.ulaw[: max(0, end - self.at)]
+        self.end = self.at + len(self.ulaw)
         self._pcm = self._frame_power = None
 
 
@@ -76,10 +75,6 @@ class FarEndReference:
         self._kept_from = 0
         """Oldest sample index kept: ``history_s`` before the newest audio played."""
 
-    @property
-    def _end(self) -> int:
-        return self._pieces[-1].end if self._pieces else 0
-
     def _index(self, t: float) -> int:
         assert self._origin is not None
         return round((t - self._origin) * RATE)
@@ -88,12 +83,16 @@ class FarEndReference:
         """``ulaw`` starts playing at ``start`` (after what was queued before it)."""
         if self._origin is None:
             self._origin = start
-        at = self._index(start)
-        self._forget_from(at)  # at < end: clock rounding (a sample of overlap); newer wins
-        self._pieces.append(_Played(at, ulaw))
-        self._kept_from = max(self._kept_from, self._end - self._size)
-        while self._pieces and self._pieces[0].end <= self._kept_from:
-            self._pieces.popleft()
+        at = round((start - self._origin) * RATE)
+        pieces = self._pieces
+        if pieces and pieces[-1].end > at:
+            self._forget_from(at)  # clock rounding (a sample of overlap): the newer wins
+        end = at + len(ulaw)
+        pieces.append(_Played(at, ulaw, end))
+        if end - self._size > self._kept_from:
+            self._kept_from = kept = end - self._size
+            while pieces and pieces[0].end <= kept:
+                pieces.popleft()
 
     def cut(self, at: float) -> None:
         """A ``clear`` at ``at``: audio scheduled to play after it never did."""

@@ -7,8 +7,8 @@ everything that must match Twilio byte for byte is in one place.
 
 from __future__ import annotations
 
-import base64
 import binascii
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -192,11 +192,16 @@ _PARSERS: dict[str, Callable[[Mapping[str, Any]], InboundMessage]] = {
 def media_message(stream_sid: str, ulaw: bytes) -> str:
     if not ulaw or len(ulaw) % 160:
         raise ValueError(f"outbound media must be whole 20 ms frames, got {len(ulaw)} bytes")
-    payload = base64.b64encode(ulaw).decode("ascii")
     # Formatted rather than json.dumps'd (every 100 ms of bot audio): base64 needs no
-    # escaping, and the stream SID is escaped on its own.
-    sid = json.dumps(stream_sid)
-    return f'{{"event":"media","streamSid":{sid},"media":{{"payload":"{payload}"}}}}'
+    # escaping, and the stream's part is escaped once per stream.
+    payload = binascii.b2a_base64(ulaw, newline=False).decode("ascii")
+    return f'{_media_head(stream_sid)}{payload}"}}}}'
+
+
+@functools.lru_cache(maxsize=4096)
+def _media_head(stream_sid: str) -> str:
+    """A media message up to its payload, for ``stream_sid`` (one per live stream)."""
+    return f'{{"event":"media","streamSid":{json.dumps(stream_sid)},"media":{{"payload":"'
 
 
 def mark_message(stream_sid: str, name: str) -> str:

@@ -54,7 +54,8 @@ TTS_READ_MAX_WAIT_S = 1.0
 it (at least ``TTS_READ_EVERY_S``, at most ``TTS_READ_MAX_WAIT_S`` later): each read takes what
 the server sent meanwhile in one go, not one socket wakeup per 40 ms piece
 (``ivr.tts.openai_http``), and at 4x real time the reads grow apart as the audio in hand grows
-(19 reads for a 5 s sentence, not 27 at a fixed 100 ms: ``tests/test_tts_pacing.py``)."""
+(a 5 s sentence read in 19, not 27 at a fixed 100 ms; 9 with ``TTS_FILL_FROM_S``:
+``tests/test_tts_pacing.py``)."""
 TTS_FILL_FROM_S = 0.08
 """Until the caller has ``TTS_LOW_WATER_S``, TTS is read at once while they have less than this,
 then when half of what they have has played: the reply's start reached 0.4 s in ~15 reads of
@@ -364,8 +365,8 @@ def heard_deadline(turn: TurnTimings | None, heard_within: float | None) -> floa
 
 async def _paced(stream: AsyncIterator[bytes], player: AudioPlayer) -> AsyncIterator[bytes]:
     """``stream``, asked for its next chunk at once while the caller has less than
-    ``TTS_FILL_FROM_S``, then once half of what they have has played (``TTS_FILL_FROM_S``),
-    then once they would be down to ``TTS_LOW_WATER_S`` (see ``TTS_READ_MAX_WAIT_S``)."""
+    ``TTS_FILL_FROM_S``, then once half of what they have has played, and once they have
+    ``TTS_LOW_WATER_S``, when they would be down to it (see ``TTS_READ_MAX_WAIT_S``)."""
     async for pcm in stream:
         yield pcm
         ahead = player.ahead()

@@ -83,7 +83,7 @@ class FarEndReference:
         """``ulaw`` starts playing at ``start`` (after what was queued before it)."""
         if self._origin is None:
             self._origin = start
-        at = round((start - self._origin) * RATE)
+        at = self._index(start)
         pieces = self._pieces
         if pieces and pieces[-1].end > at:
             self._forget_from(at)  # clock rounding (a sample of overlap): the newer wins

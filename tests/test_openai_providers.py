@@ -360,7 +360,9 @@ def tone(seconds: float, rate: int) -> bytes:
 
 async def test_stt_uploads_a_wav_of_the_right_rate_and_length_as_multipart(srv):
     srv.transcripts.append(" check my balance ")
-    stt = OpenAIHttpStt(base_url=srv.base_url, api_key=KEY, language="en", prompt="IVR, PIN")
+    stt = OpenAIHttpStt(
+        base_url=srv.base_url, api_key=KEY, language="en", prompt="IVR, PIN", sample_rate=16_000
+    )
     pcm = tone(0.75, 16_000)
     result = await stt.transcribe(pcm)
     await stt.aclose()

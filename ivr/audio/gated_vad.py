@@ -10,8 +10,8 @@ speech for seconds (engines.md section 1): Silero put to sleep while the gate st
 wakes again only for sound clearly louder than what it last judged not speech
 (``WAKE_OVER_QUIET``), or once the gate has let go and hears something again. Until then it ran
 through 2-4 s of hiss after every utterance (``tests/test_gated_vad.py``). Instances are reset on
-every wake, so any call can use any of them: they only hold recurrent state (the ONNX session is
-shared, ``SileroModel``). Nothing loads on the event loop: the session loads in a background
+every wake, so any call can use any of them: they only hold recurrent state (the model is
+shared, ``SileroModel``). Nothing loads on the event loop: the model loads in a background
 thread (``SileroPool``).
 """
 
@@ -33,9 +33,9 @@ last judged not speech (2 dB) wakes Silero: a voice starting over the hiss, not 
 class SileroPool:
     """Idle Silero instances, shared by every call in the process.
 
-    Loading the shared ONNX session takes ~100 ms: on the event loop that would stall every
+    Loading the shared model takes ~60 ms: on the event loop that would stall every
     call of the process, so a background thread makes the instances (the first one loads the
-    session), keeping ``spare`` idle ones ready. ``acquire()`` inside a running event loop
+    model), keeping ``spare`` idle ones ready. ``acquire()`` inside a running event loop
     never waits: with none idle it returns None (the caller asks again on its next frame);
     outside one (offline tools, tests) it waits for the model.
     """
@@ -97,7 +97,7 @@ class SileroPool:
                 while len(self._idle) >= self._spare:
                     self._more.wait()
             try:
-                vad = SileroVad(threshold=self._threshold)  # onnxruntime drops the GIL
+                vad = SileroVad(threshold=self._threshold)  # the first loads the model, ~60 ms
             except Exception as exc:
                 with self._lock:
                     self.failure = exc

@@ -1,7 +1,7 @@
-"""Silero windows of many calls judged in one onnxruntime run, on the event loop.
+"""Silero windows of many calls judged in one run of the model, on the event loop.
 
-One run of the shared session costs ~90 us for a single 32 ms window but ~35 us a window for
-16 of them (the per-run overhead dominates a model this small), and a process carrying many
+One run of the shared model costs ~55 us for a single 32 ms window but ~11 us a window for
+16 of them (a run's fixed cost dominates a model this small), and a process carrying many
 calls has many detectors awake at once. So each window waits briefly for others: a batch
 goes as soon as it holds a window from every detector heard from lately (so one call alone
 never waits) or after ``max_wait_s``.

@@ -241,7 +241,7 @@ def _warn_model_failed(exc: Exception) -> None:
 
 
 class SileroVad:
-    """Silero VAD v5 on a shared onnxruntime session (``SileroModel``; no torch).
+    """Silero VAD v5 on the process's shared model (``SileroModel``; no torch).
 
     The model wants 32 ms windows (256 samples at 8 kHz); 20 ms frames are buffered into them,
     so each answer reflects the newest complete window (up to 32 ms old). Hysteresis as in
@@ -316,7 +316,7 @@ class SileroVad:
 
     def judge(self, frame: bytes) -> bool | None:
         """``is_speech``, but None when this frame completed a window the model failed to
-        judge (an onnxruntime error): the call goes on, the caller decides what stands in."""
+        judge (an engine error): the call goes on, the caller decides what stands in."""
         window = self._take(frame)
         if window is None:
             return self._speaking

@@ -144,15 +144,14 @@ class SileroModel:
         self.window = 32 * sample_rate // 1000  # samples the model judges at a time
         self.context = 64 if sample_rate == 16000 else 32  # of the previous window, prepended
         self.runtime: SileroRuntime = runtime
-        self._run: Callable[[Floats, Floats], tuple[Floats, Floats]] | None = None
+        run: Callable[[Floats, Floats], tuple[Floats, Floats]] | None = None
         if runtime == "numpy":
             try:
-                self._run = _numpy_net(model, sample_rate).run
+                run = _numpy_net(model, sample_rate).run
             except (ImportError, SileroLayoutError) as exc:
                 log.warning("vad.silero_on_onnxruntime", reason=repr(exc)[:300])
                 self.runtime = "onnxruntime"
-        if self._run is None:
-            self._run = _onnxruntime_run(model, sample_rate)
+        self._run = run or _onnxruntime_run(model, sample_rate)
 
     @classmethod
     def shared(cls, sample_rate: int = 8000) -> SileroModel:
@@ -176,7 +175,6 @@ class SileroModel:
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """``predict`` for B streams at once: ``audio`` (B, n), ``states`` (2, B, 128) ->
         probabilities (B, 1) and next states (2, B, 128). Thread-safe."""
-        assert self._run is not None
         return self._run(audio, states)
 
     def batcher(self) -> SileroBatcher:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
-Floats = npt.NDArray[np.float32]
+from ivr.audio.silero_net import Floats
 
 
 class BatchModel(Protocol):

@@ -3,10 +3,11 @@ a dozen matrix products instead of onnxruntime's graph.
 
 Why: the graph is ~150 nodes for a few hundred thousand multiply-adds a window, its LSTM
 inside nested ``If`` subgraphs that slice and re-concatenate its weights on every run, so a run
-is mostly fixed cost: 10 windows took 207 us alone against 121 here, and in a loaded gateway,
-its caches cold between runs, a turn's Silero cost ~2.8 ms of CPU more (``bench/README.md``,
-stop 42, both builds loaded at once). The outputs match onnxruntime's to ~1e-6 on speech and
-noise at both rates (``tests/test_silero_net.py``).
+is mostly fixed cost: 10 windows took 205 us alone against 150 here (32: 563 against 301), and
+in a loaded gateway, its caches cold between runs, a turn's Silero cost 2-6 ms of CPU more
+(``bench/silero_runtime.py``; ``bench/README.md``, stop 42, both builds loaded at once). The
+outputs match onnxruntime's to ~1e-7 on speech and noise at both rates
+(``tests/test_silero_net.py``).
 
 The network, per stream (8 kHz; 16 kHz doubles every length): 32 samples of context + 256 new
 ones, reflect-padded by 32 -> 4 frames of 128 at hop 64 -> a learned STFT (65 bins, magnitude)
@@ -128,7 +129,7 @@ class SileroNet:
         c_next = sig[:, n : 2 * n] * c + sig[:, :n] * np.tanh(gates[:, 2 * n : 3 * n])
         h_next = sig[:, 3 * n :] * np.tanh(c_next)
         logit = np.maximum(h_next, 0) @ self._out + self._out_bias
-        probs = (1 / (1 + np.exp(-logit)))[:, None].astype(np.float32)
+        probs = (1 / (1 + np.exp(-logit)))[:, None]  # float32 throughout
         next_states = np.empty((2, b, n), np.float32)
         next_states[0], next_states[1] = h_next, c_next
         return probs, next_states

@@ -207,30 +207,30 @@ async def test_a_write_cut_off_by_the_budget_that_landed_is_not_a_conflict(
     assert [m.content for m in final.history] == ["hello"]  # applied once, not twice
 
 
-async def test_a_token_redeem_that_overruns_the_budget_still_spends_the_token_in_redis(
+async def test_a_token_claim_that_overruns_the_budget_still_spends_the_token_in_redis(
     redis_server: RedisServer,
 ) -> None:
-    """The redeem waits past the budget (for the store's one connection, which a slow command
-    holds): the handshake is let in from memory, and the GETDEL still goes out once it can, so
+    """The claim waits past the budget (for the store's one connection, which a slow command
+    holds): the handshake is let in from memory, and the claim still goes out once it can, so
     Redis refuses the same token to another instance without waiting for the reconciler
-    (not started here). Cancelled at the budget, it never left and the token stayed."""
+    (not started here). Cancelled at the budget, it would never leave."""
     primary = RedisCallStore(redis_server.url, prefix="ivr:", max_connections=1)
     store = ResilientCallStore(primary, instance_id="gw-1", budget=BUDGET)
     direct = RedisCallStore(redis_server.url, prefix="ivr:")
-    key = primary.keys.token_key("tok-1")
+    spent = primary.keys.spent_key("tok-1")
     try:
         await store.put_stream_token("CA1", "tok-1", ttl=60.0)
-        assert await direct.link.redis.exists(key) == 1
         hog = asyncio.create_task(primary.link.redis.blpop(["ivr:nothing"], timeout=0.6))
         await asyncio.sleep(0.05)  # the slow command has the connection
-        sid, seconds = await timed(store.redeem_stream_token("tok-1"))
-        assert sid == "CA1" and store.degraded and seconds < BUDGET + SLACK, (sid, seconds)
+        first, seconds = await timed(store.claim_stream_token("tok-1", "CA1", ttl=60.0))
+        assert first is True and store.degraded and seconds < BUDGET + SLACK, (first, seconds)
         await hog
         deadline = time.monotonic() + 5
-        while await direct.link.redis.exists(key):
-            assert time.monotonic() < deadline, "the overrun redeem never reached Redis"
+        while not await direct.link.redis.exists(spent):
+            assert time.monotonic() < deadline, "the overrun claim never reached Redis"
             await asyncio.sleep(0.02)
-        assert await store.redeem_stream_token("tok-1") is None  # a replay here is refused too
+        assert not await direct.claim_stream_token("tok-1", "CA1", ttl=60.0)  # another instance
+        assert not await store.claim_stream_token("tok-1", "CA1", ttl=60.0)  # a replay here
     finally:
         await store.aclose()
         await direct.aclose()

@@ -191,13 +191,16 @@ async def test_cluster_keys_carry_the_call_sid_as_hash_tag(cluster: ClusterProce
         await store.create(contract.a_call("CA-tag"))
         await store.update("CA-tag", contract.incr("n"))
         await store.put_stream_token("CA-tag", "tok1", ttl=60)
+        await store.put_stream_token("CA-tag", "tok2", ttl=60)
+        assert await store.claim_stream_token("tok2", "CA-tag", ttl=60)  # two keys, two slots
         await store.save_flow_sources("v1", {"a.yaml": "x"}, ttl=60)
         keys = set(await asyncio.to_thread(_all_keys, cluster, prefix))
     finally:
         await store.aclose()
         await asyncio.to_thread(cluster.delete_prefix, prefix)
     call_key = f"{prefix}call:{{CA-tag}}"
-    assert keys == {call_key, f"{prefix}active", f"{prefix}token:tok1", f"{prefix}flow:v1"}
+    tokens = {f"{prefix}token:tok1", f"{prefix}spent:tok2"}
+    assert keys == {call_key, f"{prefix}active", f"{prefix}flow:v1", *tokens}
     assert key_slot(call_key.encode()) == key_slot(b"CA-tag")
 
 

@@ -223,15 +223,24 @@ async def test_list_active_is_most_recent_first_and_honours_limit(store: CallSto
 
 async def test_a_stream_token_admits_one_stream(store: CallStore) -> None:
     await store.put_stream_token("CA0001", "tok-abc", ttl=30)
-    assert await store.redeem_stream_token("tok-abc") == "CA0001"
-    assert await store.redeem_stream_token("tok-abc") is None, "a token is good for one stream"
-    assert await store.redeem_stream_token("tok-other") is None
+    assert await store.claim_stream_token("tok-abc", "CA0001", ttl=30)
+    assert not await store.claim_stream_token("tok-abc", "CA0001", ttl=30), "one stream a token"
+    assert await store.claim_stream_token("tok-other", "CA0001", ttl=30)
 
 
-async def test_a_stream_token_expires(store: CallStore) -> None:
-    await store.put_stream_token("CA0001", "tok-abc", ttl=0.3)
-    await asyncio.sleep(0.45)
-    assert await store.redeem_stream_token("tok-abc") is None
+async def test_a_token_the_store_never_registered_still_admits_one_stream(
+    store: CallStore,
+) -> None:
+    # Its signature proves it genuine; the webhook's instance may have failed to register it.
+    assert await store.claim_stream_token("tok-unregistered", "CA0001", ttl=30)
+    assert not await store.claim_stream_token("tok-unregistered", "CA0001", ttl=30)
+
+
+async def test_a_spent_token_is_forgotten_once_it_has_expired(store: CallStore) -> None:
+    assert await store.claim_stream_token("tok-abc", "CA0001", ttl=0.3)
+    assert not await store.claim_stream_token("tok-abc", "CA0001", ttl=0.3)
+    await asyncio.sleep(0.45)  # the token itself is refused by now: the store keeps nothing
+    assert await store.claim_stream_token("tok-abc", "CA0001", ttl=0.3)
 
 
 async def test_concurrent_updates_in_one_process_are_all_kept(store: CallStore) -> None:

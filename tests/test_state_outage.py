@@ -79,9 +79,8 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
         assert store.degraded is True
         newcomer = await store.create(a_call("CA-new"))  # new calls are still answered
         await store.update("CA-new", turn(0))
-        await store.put_stream_token("CA-new", "tok-new", ttl=60)
-        await store.put_stream_token("CA-new", "tok-later", ttl=60)
-        assert await store.redeem_stream_token("tok-new") == "CA-new"
+        await store.put_stream_token("CA-new", "tok-new", ttl=60)  # nothing to register
+        assert await store.claim_stream_token("tok-new", "CA-new", ttl=60)
         during = await store.get("CA-live")
         active = {r.call_sid for r in await store.list_active(10)}
         redis_server.start()  # empty: no persistence, like a replacement Redis
@@ -95,13 +94,11 @@ async def test_a_call_survives_a_redis_outage_and_is_written_back(
     assert in_redis == await store.get("CA-live")
     new_in_redis = await direct.get("CA-new")
     assert new_in_redis is not None and new_in_redis.node == "node-0"
-    # Tokens minted during the outage are not written back (a spend on another instance
-    # meanwhile could not be ordered against that write); the minting instance still admits
-    # its unspent one, once.
-    assert await direct.redeem_stream_token("tok-later") is None
-    assert await direct.redeem_stream_token("tok-new") is None
-    assert await store.redeem_stream_token("tok-later") == "CA-new"
-    assert await store.redeem_stream_token("tok-later") is None
+    # The token spent during the outage is spent in the new Redis too (another instance
+    # refuses its replay); one minted then and not used yet admits its stream once, anywhere.
+    assert not await direct.claim_stream_token("tok-new", "CA-new", ttl=60)
+    assert await direct.claim_stream_token("tok-later", "CA-new", ttl=60)
+    assert not await store.claim_stream_token("tok-later", "CA-new", ttl=60)
     stats = store.statistics()
     assert stats.writes_queued >= 22 and stats.reconciled == 2 and stats.pending == 0
     assert stats.failures >= 1 and stats.dropped == 0
@@ -235,7 +232,7 @@ async def test_the_reconciler_tells_redis_of_tokens_spent_before_writing_records
         redis_server.process.send_signal(signal.SIGSTOP)  # keeps its data, answers nothing
         try:
             await store.update("CA-t", turn(1))  # queued for write-back
-            assert await store.redeem_stream_token("tok-t") == "CA-t"  # spent here
+            assert await store.claim_stream_token("tok-t", "CA-t", ttl=60.0)  # spent here
             assert store.degraded
         finally:
             redis_server.process.send_signal(signal.SIGCONT)
@@ -258,23 +255,18 @@ async def test_the_reconciler_tells_redis_of_tokens_spent_before_writing_records
     finally:
         await store.aclose()
         await watcher.aclose()
-    spend = next(i for i, c in enumerate(commands) if c.startswith("GETDEL") and "tok-t" in c)
-    write = next(i for i, c in enumerate(commands) if "CA-t" in c and not c.startswith("GET "))
+    spend = next(i for i, c in enumerate(commands) if c.startswith("SET") and "spent:tok-t" in c)
+    write = next(i for i, c in enumerate(commands) if "call:CA-t" in c and not c.startswith("GET "))
     assert spend < write, commands
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (bench/README.md, stop 42): a token minted while its instance was "
-    "degraded is in no store the healthy instance that gets the stream can read, and is "
-    "refused as spent; two workers lost 50 of 800 calls' streams this way",
-)
 async def test_a_token_minted_by_a_degraded_instance_admits_its_stream_on_a_healthy_one(
     redis_server: RedisServer,
 ) -> None:
     """The webhook reached one worker while Redis was too slow for its budget (it went
     degraded and kept the token in memory); the stream reaches another worker after Redis is
-    answering again. The token is genuine and unused: the caller's stream should connect."""
+    answering again. The token is genuine and unused: the caller's stream connects, once.
+    (Two workers on a loaded machine lost 50 of 800 calls' streams this way, stop 42.)"""
     minting = resilient(redis_server, budget=0.15)  # no reconciler: it stays degraded
     admitting = resilient(redis_server, budget=0.15)
     try:
@@ -284,11 +276,15 @@ async def test_a_token_minted_by_a_degraded_instance_admits_its_stream_on_a_heal
             with pytest.raises(StoreUnavailable):
                 await minting.get("CA-unknown")  # no local copy: the outage is felt
             assert minting.degraded
-            await minting.put_stream_token("CA-d", "tok-d", ttl=60.0)  # kept in memory
+            await minting.put_stream_token("CA-d", "tok-d", ttl=60.0)  # registered nowhere
         finally:
             redis_server.process.send_signal(signal.SIGCONT)
         assert not admitting.degraded
         assert await admitting.claim_stream_token("tok-d", "CA-d", ttl=60.0)
+        assert not await admitting.claim_stream_token("tok-d", "CA-d", ttl=60.0)
+        await minting.start()  # back to the primary: it says spent, whatever it minted
+        await until(lambda: not minting.degraded)
+        assert not await minting.claim_stream_token("tok-d", "CA-d", ttl=60.0)
     finally:
         await minting.aclose()
         await admitting.aclose()

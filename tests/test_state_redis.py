@@ -61,8 +61,11 @@ async def test_every_key_lives_under_the_configured_prefix(
 ) -> None:
     await store.create(a_call())
     await store.put_stream_token("CA0001", "tok1", ttl=60)
+    await store.put_stream_token("CA0001", "tok2", ttl=60)
+    assert await store.claim_stream_token("tok2", "CA0001", ttl=60)
     keys = {k.decode() async for k in raw.scan_iter(match=f"{prefix}*")}
-    assert keys == {f"{prefix}call:CA0001", f"{prefix}active", f"{prefix}token:tok1"}
+    call, active = f"{prefix}call:CA0001", f"{prefix}active"
+    assert keys == {call, active, f"{prefix}token:tok1", f"{prefix}spent:tok2"}
     stored = json.loads(await raw.get(f"{prefix}call:CA0001"))
     assert stored["call_sid"] == "CA0001" and stored["version"] == 1
 

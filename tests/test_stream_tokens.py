@@ -1,9 +1,10 @@
 """Stream tokens: signed so any instance can check them without Redis, spent once.
 
 Single use goes through a real Redis (a private redis-server we stop, pause and restart):
-while Redis answers, its GETDEL decides for every instance, even against the minting
-instance's local copy; while it does not, each instance admits a token once and tells Redis
-when it is back."""
+while Redis answers, its claim (SET NX) decides for every instance, whichever minted the
+token; while it does not, each instance admits a token once and tells Redis when it is back.
+Instances of earlier releases (they register a token at mint and spend it by GETDEL) are
+played by raw commands on the keys they use."""
 
 from __future__ import annotations
 
@@ -124,14 +125,14 @@ async def until(condition: object, within: float = 5.0) -> None:
     raise AssertionError(f"not true within {within} s")
 
 
-async def test_redis_decides_single_use_even_against_the_minting_instances_copy(
+async def test_redis_decides_single_use_for_every_instance(
     pair: tuple[ResilientCallStore, ResilientCallStore],
 ) -> None:
     a, b = pair
     tokens = StreamTokens(derive_key(SECRET))
     token = await issue(tokens, a, "CA1", planned=False)  # the webhook on A
     assert (await admit(tokens, b, token)).call_sid == "CA1"  # the real stream lands on B
-    for replay_on in (a, b):  # A still holds its copy of the token: Redis says spent
+    for replay_on in (a, b):
         with pytest.raises(TokenRefused, match="already used"):
             await admit(tokens, replay_on, token)
 
@@ -172,19 +173,64 @@ async def test_a_spend_made_during_an_outage_is_replayed_to_redis_when_it_return
         await admit(tokens, a, token)
 
 
-async def test_a_token_minted_while_redis_was_down_is_good_once_on_its_own_instance(
+async def test_a_token_minted_while_redis_was_down_is_good_once_on_any_instance(
     redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
 ) -> None:
     a, b = pair
     tokens = StreamTokens(derive_key(SECRET))
     redis_server.stop()
-    token = await issue(tokens, a, "CA1", planned=False)  # kept on A only
+    token = await issue(tokens, a, "CA1", planned=False)  # registered nowhere
     assert a.degraded
     redis_server.start()
     await until(lambda: not a.degraded)
-    # Redis never had it: B cannot know it was not spent elsewhere, so it refuses.
-    with pytest.raises(TokenRefused):
-        await admit(tokens, b, token)
+    # The stream reaches B: the signature says genuine, Redis says unused.
+    assert (await admit(tokens, b, token)).call_sid == "CA1"
+    for replay_on in (a, b):
+        with pytest.raises(TokenRefused, match="already used"):
+            await admit(tokens, replay_on, token)
+
+
+# -- a fleet mid-upgrade: instances of the release before this one ---------------------------------
+
+
+async def earlier_release_spends(redis_server: RedisServer, nonce: str) -> str | None:
+    """What an instance of an earlier release does with a stream's token: GETDEL of the key
+    its webhook registered (``<prefix>token:<nonce>``), admitted if it held the CallSid."""
+    direct = RedisCallStore(redis_server.url, prefix="ivr:")
+    try:
+        raw = await direct.link.redis.execute_command("GETDEL", f"ivr:token:{nonce}")
+    finally:
+        await direct.aclose()
+    return None if raw is None else raw.decode()
+
+
+async def test_an_earlier_release_admits_a_stream_whose_token_this_one_minted_once(
+    redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
+) -> None:
+    tokens = StreamTokens(derive_key(SECRET))
+    nonces = []
+    for call_sid in ("CA1", "CA2"):  # both webhooks answered by this release
+        token = await issue(tokens, pair[0], call_sid, planned=False)
+        nonces.append(tokens.verify(token).store_key)
+    assert await earlier_release_spends(redis_server, nonces[0]) == "CA1"
+    assert await earlier_release_spends(redis_server, nonces[0]) is None
+    # The other way round: a token this release admitted is refused by the earlier one.
+    assert (await admit(tokens, pair[1], token)).call_sid == "CA2"
+    assert await earlier_release_spends(redis_server, nonces[1]) is None
+
+
+async def test_a_token_an_earlier_release_minted_admits_its_stream_here_once(
+    redis_server: RedisServer, pair: tuple[ResilientCallStore, ResilientCallStore]
+) -> None:
+    a, b = pair
+    tokens = StreamTokens(derive_key(SECRET))
+    token, claims = tokens.mint("CA1")  # the earlier release's webhook: SET, then the TwiML
+    direct = RedisCallStore(redis_server.url, prefix="ivr:")
+    try:
+        await direct.link.redis.set(f"ivr:token:{claims.store_key}", "CA1", px=60_000)
+    finally:
+        await direct.aclose()
     assert (await admit(tokens, a, token)).call_sid == "CA1"
-    with pytest.raises(TokenRefused):
-        await admit(tokens, a, token)
+    with pytest.raises(TokenRefused, match="already used"):
+        await admit(tokens, b, token)
+    assert await earlier_release_spends(redis_server, claims.store_key) is None

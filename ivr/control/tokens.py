@@ -6,8 +6,9 @@ present it. A token is HMAC-SHA256 signed with a key every instance shares (deri
 expiry, and carries a random nonce, so an instance that never saw the webhook, with Redis
 unreachable, can still tell a real token from a forged, altered or stale one.
 
-Single use is the store's job (``admit``): through Redis while it answers (the first GETDEL
-wins on every instance), per instance while it does not (``ResilientCallStore``).
+Single use is the store's job (``admit``): through Redis while it answers (the first claim
+wins on every instance, whichever instance minted the token), per instance while it does not
+(``ResilientCallStore``).
 
 Format (URL-path safe): ``base64url(payload) "." base64url(mac[:16])`` where the payload is
 ``"1|<call_sid>|<expires unix s>|<nonce>|<flags>"`` and flags is ``m`` for a planned move
@@ -25,7 +26,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import structlog
 
@@ -161,16 +161,8 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-@runtime_checkable
-class TokenLedger(Protocol):
-    """A store that can spend a token whose authenticity the caller has already checked,
-    even when it never saw the token minted (``ResilientCallStore``)."""
-
-    async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool: ...
-
-
 async def issue(tokens: StreamTokens, store: CallStore, call_sid: str, planned: bool) -> str:
-    """Mint a token for ``call_sid`` and register it in ``store`` for its single use."""
+    """Mint a token for ``call_sid``; the store registers it for earlier releases' instances."""
     token, claims = tokens.mint(call_sid, planned=planned)
     await store.put_stream_token(call_sid, claims.store_key, tokens.ttl)
     return token
@@ -179,11 +171,7 @@ async def issue(tokens: StreamTokens, store: CallStore, call_sid: str, planned: 
 async def admit(tokens: StreamTokens, store: CallStore, token: str) -> StreamClaims:
     """The claims of a genuine token on its first use; ``TokenRefused`` otherwise."""
     claims = tokens.verify(token)
-    if isinstance(store, TokenLedger):
-        ttl = max(0.0, claims.expires - tokens.now())
-        first = await store.claim_stream_token(claims.store_key, claims.call_sid, ttl)
-    else:
-        first = await store.redeem_stream_token(claims.store_key) == claims.call_sid
-    if not first:
-        raise TokenRefused("spent_token", "already used, or unknown to the store")
+    ttl = max(0.001, claims.expires - tokens.now())
+    if not await store.claim_stream_token(claims.store_key, claims.call_sid, ttl):
+        raise TokenRefused("spent_token", "already used")
     return claims

@@ -377,11 +377,18 @@ class CallStore(Protocol):
         first: the candidates for an ending nobody wrote (``ivr.control.sweeper``)."""
         ...
 
-    async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None: ...
+    async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
+        """Register a token just minted for ``call_sid`` where instances of earlier releases
+        look for it (they spend a token by deleting it: a fleet mid-upgrade admits streams
+        either way). Single use no longer depends on it: ``claim_stream_token`` does not read
+        it, so a registration that failed or came late costs nothing."""
+        ...
 
-    async def redeem_stream_token(self, token: str) -> str | None:
-        """The call_sid the token was minted for, once: a token admits a single stream (a
-        replayed or duplicate handshake gets None). None too if unknown or expired."""
+    async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
+        """Spend ``token``, which the caller verified is genuine (signed, ``ivr.control.
+        tokens``), belongs to ``call_sid`` and is good for ``ttl`` more seconds: True on its
+        first use, False for a replayed or duplicate handshake. The spend is kept ``ttl``
+        seconds, as long as the token could be presented again."""
         ...
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:

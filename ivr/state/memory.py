@@ -41,7 +41,7 @@ class MemoryCallStore:
         self._ended: dict[str, float] = {}  # calls whose deadline counts from their end:
         # their ended_at (epoch seconds), the ended index
         self._creates = 0
-        self._tokens: dict[str, tuple[str, float]] = {}
+        self._spent_tokens: dict[str, float] = {}  # token -> monotonic time it expires
         self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
         self._lock = asyncio.Lock()
 
@@ -143,16 +143,16 @@ class MemoryCallStore:
             return records
 
     async def put_stream_token(self, call_sid: str, token: str, ttl: float) -> None:
-        now = time.monotonic()
-        if len(self._tokens) >= _TOKEN_SWEEP_AT:  # unchecked tokens would otherwise pile up
-            self._tokens = {t: e for t, e in self._tokens.items() if e[1] > now}
-        self._tokens[token] = (call_sid, now + ttl)
+        """No instance of an earlier release shares this store's memory: nothing to register."""
 
-    async def redeem_stream_token(self, token: str) -> str | None:
-        entry = self._tokens.pop(token, None)
-        if entry is None or time.monotonic() >= entry[1]:
-            return None
-        return entry[0]
+    async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
+        now = time.monotonic()
+        if self._spent_tokens.get(token, 0.0) > now:
+            return False
+        if len(self._spent_tokens) >= _TOKEN_SWEEP_AT:  # spends outlive their tokens otherwise
+            self._spent_tokens = {t: d for t, d in self._spent_tokens.items() if d > now}
+        self._spent_tokens[token] = now + ttl
+        return True
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
         now = time.monotonic()

@@ -27,7 +27,12 @@ class RedisKeys:
         return f"{self.prefix}call:{call_sid}"
 
     def token_key(self, token: str) -> str:
+        """A minted token, as earlier releases register and spend it (GETDEL)."""
         return f"{self.prefix}token:{token}"
+
+    def spent_key(self, token: str) -> str:
+        """A spent token: single use is this key's SET NX."""
+        return f"{self.prefix}spent:{token}"
 
     def flow_key(self, version: str) -> str:
         return f"{self.prefix}flow:{version}"

@@ -8,7 +8,11 @@ configurable prefix:
     {prefix}active         sorted set of live call sids, scored by updated_at (epoch seconds)
     {prefix}ended          sorted set of ended call sids, scored by ended_at (epoch seconds);
                            what is older than ended_ttl is trimmed on every end and every read
-    {prefix}token:<token>  call_sid a webhook-minted stream token belongs to; PX = token ttl
+    {prefix}spent:<token>  call_sid of a stream token that admitted its stream; PX = the
+                           token's remaining life. Set NX: the first handshake wins everywhere
+    {prefix}token:<token>  call_sid a webhook-minted stream token belongs to; PX = token ttl.
+                           Only for instances of earlier releases (they spend it by GETDEL);
+                           a claim deletes it, so those refuse a token claimed here
     {prefix}flow:<version> JSON {relative path: text} of the files a flow version was loaded
                            from, so any instance can run calls pinned to it; PX = given ttl
 
@@ -283,14 +287,29 @@ class RedisCallStore:
             lambda: self.link.write(key, "SET", key, call_sid, "PX", ttl_ms),
         )
 
-    async def redeem_stream_token(self, token: str) -> str | None:
-        # A GETDEL whose reply is lost and then retried reads None: the token counts as spent
-        # (refused, never admitted twice).
-        key = self.keys.token_key(token)
-        raw = await self.link.run(
-            "redeem_stream_token", "", lambda: self.link.write(key, "GETDEL", key)
+    async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
+        # A SET NX whose reply is lost and then retried reads None: the token counts as spent
+        # (refused, never admitted twice). The token's signature proves it genuine, so a
+        # registered key is not required: one the webhook's instance could not write (its
+        # Redis over budget) or wrote late must not refuse the call's stream.
+        spent, ttl_ms = self.keys.spent_key(token), max(1, int(ttl * 1000))
+        first = await self.link.run(
+            "claim_stream_token",
+            call_sid,
+            lambda: self.link.write(spent, "SET", spent, call_sid, "NX", "PX", ttl_ms),
         )
-        return None if raw is None else as_text(raw)
+        if first is None:
+            return False
+        # Delete the registration too, so an instance of an earlier release refuses the token.
+        # Two keys in maybe two cluster slots: not one script; a failed delete leaves only that.
+        minted = self.keys.token_key(token)
+        try:
+            await self.link.run(
+                "claim_stream_token", call_sid, lambda: self.link.write(minted, "DEL", minted)
+            )
+        except StoreUnavailable as exc:
+            log.warning("redis_minted_token_kept", call_sid=call_sid, error=str(exc)[:200])
+        return True
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
         key, ttl_ms = self.keys.flow_key(version), max(1, int(ttl * 1000))

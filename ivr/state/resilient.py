@@ -19,11 +19,11 @@ holds what this instance knows: the calls it ended during the outage and the las
 back). The outage's ends reach the primary's index with their write-back (the same write lists
 them), so nothing is missing from it afterwards.
 
-Stream tokens: while the primary answers, its GETDEL decides single use for every instance
-(a token it says was spent is refused even if this instance minted it). While it does not, a
-token whose signature the caller checked (``claim_stream_token``) is admitted once per instance,
-and the spend is replayed to the primary when it returns. Tokens minted while degraded are not
-written back: a spend elsewhere during the outage could not be ordered against that write.
+Stream tokens: a token's signature proves it genuine, so the store only decides single use.
+While the primary answers, its claim (Redis: SET NX of the spent token) decides it for every
+instance, whichever instance minted the token and whether or not that instance could register
+it. While it does not, a token is admitted once per instance, and the spend is replayed to the
+primary when it returns (before the records' write-back).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ResilientCallStore(StreamTokens, FlowSources, WriteBack):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self._settle_late_redeems()
+        await self._settle_late_claims()
         if self._has_pending():
             await self._final_flush()
         await self.primary.aclose()

@@ -31,12 +31,11 @@ DEFAULT_BUDGET = 0.15  # seconds a call may wait on the primary for one operatio
 MAX_RECENT_ENDED = 100  # ended records kept here for the ended list while the primary is away
 
 
-class MintedToken(NamedTuple):
-    """A stream token minted on this instance, not yet spent."""
+class PendingSpend(NamedTuple):
+    """A stream token spent here while the primary was unreachable: claimed there on return."""
 
     call_sid: str
-    deadline: float  # monotonic
-    in_primary: bool  # the primary acknowledged it (else minted here while degraded)
+    deadline: float  # monotonic: when the token expires
 
 
 def stamp(record: CallRecord) -> Stamp:
@@ -85,11 +84,10 @@ class ResilientCore:
         # updated_at, since a Redis restarted empty hands out the same version numbers again.
         self._synced: dict[str, Stamp | None] = {}
         self._pending: OrderedDict[str, CallRecord] = OrderedDict()
-        self._tokens: dict[str, MintedToken] = {}  # minted here, not yet spent
-        self._spent: dict[str, float] = {}  # spent here -> monotonic deadline
-        self._pending_spends: dict[str, float] = {}  # spent while degraded: GETDEL on return
-        # Token redeems that overran the budget, left to land (``StreamTokens``)
-        self._late_redeems: set[asyncio.Future[str | None]] = set()
+        self._spent: dict[str, float] = {}  # stream tokens spent here -> monotonic deadline
+        self._pending_spends: dict[str, PendingSpend] = {}  # spent while degraded
+        # Token claims that overran the budget, left to land (``StreamTokens``)
+        self._late_claims: set[asyncio.Future[bool]] = set()
         # Flow sources this instance saved (version -> (sources, deadline)), newest last; the
         # pending ones are written back with their remaining TTL.
         self._flows: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()

@@ -39,6 +39,7 @@ class StreamTokens(ResilientCore):
         if self._spent.get(token, 0.0) > now:
             return False  # used here already: a replay
         self._sweep_spent(now)
+        expires = now + ttl
         if not self.degraded:
             try:
                 first = await self._claim_on_primary(token, call_sid, ttl)
@@ -46,10 +47,10 @@ class StreamTokens(ResilientCore):
                 self._degrade("claim_stream_token", exc)
             else:
                 if first:
-                    self._spent[token] = now + ttl
+                    self._spent[token] = expires
                 return first  # the primary's answer decides for every instance
-        self._spent[token] = now + ttl
-        self._pending_spends[token] = PendingSpend(call_sid, now + ttl)
+        self._spent[token] = expires
+        self._pending_spends[token] = PendingSpend(call_sid, expires)
         self._wake.set()
         return True
 

@@ -85,14 +85,15 @@ class SileroNet:
         self.bins = basis.shape[0] // 2
         self.samples = self.hop * (_FRAMES - 1) + self.n_fft - self.pad  # context + window
         self._basis = np.ascontiguousarray(basis[:, 0, :].T)  # (n_fft, 2 * bins)
-        # Convolutions as one product over stacked taps: row k * channels_in + c.
-        self._convs: list[tuple[Floats, Floats, int]] = []
-        for i, stride in enumerate(_STRIDES):
-            w = weights[f"encoder.{i}.reparam_conv.weight"]  # (out, in, 3)
-            if w.ndim != 3 or w.shape[2] != 3:
-                raise SileroLayoutError(f"encoder.{i}: unexpected weight shape {w.shape}")
-            taps = np.ascontiguousarray(w.transpose(2, 1, 0).reshape(-1, w.shape[0]))
-            self._convs.append((taps, weights[f"encoder.{i}.reparam_conv.bias"], stride))
+        self._convs = [
+            _Conv3(
+                weights[f"encoder.{i}.reparam_conv.weight"],
+                weights[f"encoder.{i}.reparam_conv.bias"],
+                stride,
+                f"encoder.{i}",
+            )
+            for i, stride in enumerate(_STRIDES)
+        ]
         # The LSTM's input and recurrent products as one: [x, h] @ [W_ih; W_hh].
         self._lstm = np.ascontiguousarray(
             np.concatenate((weights["decoder.rnn.weight_ih"].T, weights["decoder.rnn.weight_hh"].T))
@@ -111,15 +112,15 @@ class SileroNet:
         padded = np.empty((b, self.samples + self.pad), np.float32)
         padded[:, : self.samples] = audio
         padded[:, self.samples :] = audio[:, -2 : -2 - self.pad : -1]  # reflect
-        step = padded.strides[1]
-        frames = np.lib.stride_tricks.as_strided(
-            padded, (b, _FRAMES, self.n_fft), (padded.strides[0], self.hop * step, step)
-        )
+        # Frames of n_fft at hop n_fft / 2: each is two neighbouring half-frame blocks. (Slices
+        # and one concatenate: numpy's as_strided is Python code, dearer than this product.)
+        blocks = padded.reshape(b, _FRAMES + 1, self.hop)
+        frames = np.concatenate((blocks[:, :-1], blocks[:, 1:]), axis=2)
         spectrum = frames.reshape(b * _FRAMES, self.n_fft) @ self._basis
         spectrum *= spectrum
         x = np.sqrt(spectrum[:, : self.bins] + spectrum[:, self.bins :]).reshape(b, _FRAMES, -1)
-        for taps, bias, stride in self._convs:
-            x = _conv3(x, taps, bias, stride)
+        for conv in self._convs:
+            x = conv(x)
         features = x[:, 0, :]  # one step left
         h, c = states[0], states[1]
         gates = np.concatenate((features, h), axis=1) @ self._lstm
@@ -135,24 +136,38 @@ class SileroNet:
         return probs, next_states
 
 
-def _conv3(x: Floats, taps: Floats, bias: Floats, stride: int) -> Floats:
-    """A 3-tap convolution with one step of zero padding each side, ReLU after: ``x`` (B,
-    steps, channels) time-major -> (B, steps // stride rounded up, out)."""
-    b, steps, channels = x.shape
-    out_steps = (steps - 1) // stride + 1
-    if out_steps == 1:  # the last layers: the one step's left tap sees only the zero padding
-        used = min(steps, 2)
-        y = x[:, :used].reshape(b, used * channels) @ taps[channels : (1 + used) * channels]
-        y += bias
+class _Conv3:
+    """A 3-tap convolution with one step of zero padding each side, ReLU after: (B, steps,
+    channels) time-major -> (B, steps // stride rounded up, out). Output step t is tap 0 of
+    input step t * stride - 1, tap 1 of t * stride and tap 2 of t * stride + 1."""
+
+    def __init__(self, weight: Floats, bias: Floats, stride: int, name: str) -> None:
+        if weight.ndim != 3 or weight.shape[2] != 3:  # (out, in, 3)
+            raise SileroLayoutError(f"{name}: unexpected weight shape {weight.shape}")
+        self.out = weight.shape[0]
+        self.bias = bias
+        self.stride = stride
+        # Every input step times the three taps side by side, one product: column k * out + o
+        # is tap k (numpy's as_strided, to stack shifted steps instead, is Python code).
+        self._wide = np.ascontiguousarray(weight.transpose(1, 2, 0).reshape(weight.shape[1], -1))
+        # A layer left with one output step: its taps 1 and 2 stacked, row k * in + c.
+        self._last = np.ascontiguousarray(weight[:, :, 1:].transpose(2, 1, 0).reshape(-1, self.out))
+
+    def __call__(self, x: Floats) -> Floats:
+        b, steps, channels = x.shape
+        out, stride = self.out, self.stride
+        out_steps = (steps - 1) // stride + 1
+        if out_steps == 1:  # the last layers: tap 0 sees only the zero padding
+            used = min(steps, 2)
+            y = x[:, :used].reshape(b, used * channels) @ self._last[: used * channels]
+            y += self.bias
+            np.maximum(y, 0, out=y)
+            return y.reshape(b, 1, out)
+        every = (x.reshape(b * steps, channels) @ self._wide).reshape(b, steps, 3 * out)
+        y = every[:, ::stride, out : 2 * out] + self.bias  # tap 1
+        after = every[:, 1::stride, 2 * out :]  # tap 2: none past the last input step
+        y[:, : after.shape[1]] += after
+        before = every[:, stride - 1 :: stride, :out]  # tap 0: none before the first
+        y[:, 1:] += before[:, : out_steps - 1]
         np.maximum(y, 0, out=y)
-        return y.reshape(b, 1, -1)
-    padded = np.zeros((b, steps + 2, channels), np.float32)
-    padded[:, 1:-1] = x
-    s0, s1, s2 = padded.strides
-    stacked = np.lib.stride_tricks.as_strided(
-        padded, (b, out_steps, 3 * channels), (s0, stride * s1, s2)
-    )
-    y = stacked.reshape(b * out_steps, 3 * channels) @ taps
-    y += bias
-    np.maximum(y, 0, out=y)
-    return y.reshape(b, out_steps, -1)
+        return y

@@ -31,6 +31,14 @@ more than 50 ms over 1 call's, or that has errors.
     .venv/bin/python bench/capacity.py --levels 100 --classic '' --py-spy 15 --py-spy-at 0
     .venv/bin/python bench/capacity.py --levels 50,100 --classic '' --tts cartesia
     .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --phase-slots 10
+    git worktree add /tmp/issue21 059684b   # then, the bars read on the issue's machine:
+    .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --calibrate /tmp/issue21
+
+``--calibrate <checkout of 059684b>``: the code the issue measured, run here at 25 calls
+(~1 min more); its CPU per call-minute over the issue's table's is this machine's speed against
+the issue's machine, and each level's CPU a turn is also printed divided by it. Machines here
+differ by 2x and more from one session to the next; the issue's bar of 25 ms a turn was set on
+its own.
 
 ``--phase-slots 10``: the callers' frames spread over ten slots of each 20 ms, as real streams
 (each on its own clock) arrive; by default every stream's frame goes out in one burst.
@@ -97,6 +105,11 @@ CLASSIC_LINES = ("What are your opening hours?", "Do you have parking nearby?")
 NO_INPUT_S = 60
 """The old load's flow re-prompts after this: listening callers hear no re-prompt in a phase."""
 KNEE_P95_MS = 50.0
+ISSUE_TALK_CPU: dict[int, float] = {1: 3.16, 10: 1.40, 25: 1.14, 50: 1.00, 100: 0.67, 200: 0.44}
+"""Issue 21's table: its harness's gateway CPU-s per call-minute for the code it measured
+(059684b), by calls. ``--calibrate`` runs that code here and divides: the machine's speed
+against the issue's, the one ruler the issue's bars can be read with (``sum(range(10**7))``
+timings are not: they moved 2.5x between machines on which a turn moved 1.3x)."""
 
 
 @dataclass(slots=True)
@@ -424,8 +437,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--py-spy", type=float, default=0.0, help="profile N s at the top level")
     p.add_argument("--py-spy-at", type=float, default=-1.0, help="s into the talk (-1: steady)")
     p.add_argument("--py-spy-rate", type=int, default=100, help="py-spy samples a second")
+    p.add_argument(
+        "--calibrate", default="",
+        help="a checkout of the issue's code (059684b): also read CPU/turn on the issue's machine",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibrate-calls", type=int, default=25, choices=sorted(ISSUE_TALK_CPU),
+        help="arrival calls the issue's code is run at (25: loaded, not yet behind, in both)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.calibrate:  # the gateway runs elsewhere: its PYTHONPATH must not be relative
+        args.calibrate = str(Path(args.calibrate).resolve())
+    return args
 
 
 def with_deltas(rows: list[Row]) -> None:
@@ -453,6 +477,7 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
                 rows.append(await run_level(args, "old load", calls, prov, workdir))
                 report(rows[-1])
     with_deltas(rows)
+    factor = await calibrate(args) if args.calibrate else None
     settings = " ".join(args.env) or "default settings"
     frames = (
         "all callers' frames in one burst every 20 ms"
@@ -467,8 +492,44 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         f"old load: {replace(CLASSIC, tts=args.tts).describe()}",
     )
     print(knee(rows))
+    if factor is not None:
+        print_on_issue_machine(rows, factor)
     print(f"load average: start {start_load}, end {os.getloadavg()} on {os.cpu_count()} CPUs")
     return rows
+
+
+async def calibrate(args: argparse.Namespace) -> float:
+    """This machine's speed against the issue's: the issue's code (a checkout at
+    ``--calibrate``) at ``--calibrate-calls`` arrival calls, its talking CPU-s per call-minute
+    over the issue's figure for the same load (> 1: this machine is slower)."""
+    calls = args.calibrate_calls
+    ref = argparse.Namespace(**vars(args))
+    ref.env = [*args.env, f"PYTHONPATH={args.calibrate}"]
+    ref.listen = 0.0  # the talking rate is the ruler; its listening is not needed
+    ref.py_spy = 0.0
+    with tempfile.TemporaryDirectory(prefix="ivr-calibrate-") as tmp:
+        workdir = Path(tmp)
+        profile = ProviderProfile(tts=args.tts, reply=reply_of(args.reply_sentences))
+        with providers(profile, args.caller_cpus, workdir) as prov:
+            row = await run_level(ref, "arrivals", calls, prov, workdir)
+    factor = row.talk_cpu_per_call_min / ISSUE_TALK_CPU[calls]
+    print(
+        f"\ncalibration: the issue's code ({args.calibrate}) at {calls} calls here: "
+        f"{row.talk_cpu_per_call_min:.3f} CPU-s per call-minute talking, the issue's table "
+        f"{ISSUE_TALK_CPU[calls]:.2f}: this machine is {factor:.2f}x the issue's "
+        f"(p50 {row.p50_ms:.0f} ms, {row.errors} errors, {row.cpu_percent:.0f} % CPU)"
+    )
+    return factor
+
+
+def print_on_issue_machine(rows: list[Row], factor: float) -> None:
+    """The per-turn CPU read on the issue's machine (the bar: 25 ms; the issue's code: 165)."""
+    cells = ", ".join(
+        f"{r.calls} calls {r.cpu_ms_per_turn / factor:.1f}"
+        for r in rows
+        if r.load == "arrivals" and r.cpu_ms_per_turn == r.cpu_ms_per_turn  # not NaN
+    )
+    print(f"CPU a turn beyond listening on the issue's machine (est., ms; bar 25): {cells}")
 
 
 def report(row: Row) -> None:

@@ -30,7 +30,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
 from types import FrameType
 from typing import Any
 
@@ -261,7 +260,8 @@ class WorkerPool:
         self._host = host
         self._port = port
         self._context = multiprocessing.get_context("spawn")
-        self._procs: dict[int, tuple[BaseProcess, Event]] = {}  # worker number -> process
+        # worker number -> the process, and its flag: 1 once it serves
+        self._procs: dict[int, tuple[BaseProcess, ctypes.c_byte]] = {}
         self._stopping = False
         self._exit_code = 0
         self._restarts: list[float] = []
@@ -286,7 +286,10 @@ class WorkerPool:
         return self._exit_code
 
     def _start(self, number: int) -> None:
-        started = self._context.Event()
+        # A flag with no lock: a multiprocessing Event's lock is shared with the worker, and a
+        # worker killed while setting it (right as it starts serving) left the lock held; the
+        # next is_set() here then waited forever, and no worker was ever replaced again.
+        started: ctypes.c_byte = self._context.RawValue("b", 0)
         proc = self._context.Process(
             target=_run_worker,
             args=(self._host, self._port, number, started, os.getpid()),
@@ -319,7 +322,7 @@ class WorkerPool:
                 # A signal that ended a worker was ours (or the operator's): not a failure.
                 self._exit_code = max(self._exit_code, code)
                 continue
-            if not started.is_set() and code >= 0:
+            if not started.value and code >= 0:
                 # It exited by itself before serving: its settings or environment cannot work,
                 # and a restart would fail the same way.
                 log.error("server.worker_failed_to_start", worker=number, exit_code=code)
@@ -330,7 +333,7 @@ class WorkerPool:
             restarting = self._restart_allowed()
             log.error(
                 "server.worker_died", worker=number, exit_code=code,
-                serving=started.is_set(), restarting=restarting,
+                serving=bool(started.value), restarting=restarting,
             )  # fmt: skip
             if restarting:
                 self._start(number)
@@ -348,13 +351,17 @@ class WorkerPool:
         self._stop_all(signal.SIGTERM)
 
 
-def _run_worker(host: str, port: int, number: int, started: Event, parent: int) -> None:
+def _run_worker(host: str, port: int, number: int, started: ctypes.c_byte, parent: int) -> None:
     """A worker process: one full gateway on the shared port."""
     os.setpgrp()  # see WorkerPool._forward
     _drain_when_parent_dies(parent)
     try:
         sock = reuse_port_socket(host, port)
-        code = run_serving(serve(host, port, sock=sock, worker=number, on_started=started.set))
+
+        def serving() -> None:
+            started.value = 1
+
+        code = run_serving(serve(host, port, sock=sock, worker=number, on_started=serving))
     except ValidationError as exc:
         print(f"ivr: worker {number}: invalid settings:\n{exc}", file=sys.stderr)
         code = 2

@@ -79,6 +79,13 @@ class PicowsMediaSocket(WSListener):
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         kind = frame.msg_type
+        if kind is WSMsgType.TEXT and frame.fin:
+            # Twilio's every message, 50 a second a call: one whole text frame, taken without
+            # the fragment list and its size sum.
+            if self._parts:
+                self._parts = []  # a fragmented message cut short by this one is dropped
+            self._take_message(transport, frame.get_payload_as_bytes(), text=True)
+            return
         if kind in (WSMsgType.TEXT, WSMsgType.BINARY):
             self._part_type, self._parts = kind, []
         elif kind is WSMsgType.CLOSE:
@@ -91,20 +98,30 @@ class PicowsMediaSocket(WSListener):
             return  # PING is answered by picows; PONG needs nothing
         self._parts.append(frame.get_payload_as_bytes())
         if sum(len(p) for p in self._parts) > MAX_MESSAGE_BYTES:
-            transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
-            transport.disconnect()
-            self._put(None)
+            self._too_big(transport)
             return
         if not frame.fin:
             return
         payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
         self._parts = []
-        if self._part_type is WSMsgType.TEXT:
-            # Invalid UTF-8 is passed on as bytes: the parser reports it as a bad frame.
-            with contextlib.suppress(UnicodeDecodeError):
+        self._take_message(transport, payload, text=self._part_type is WSMsgType.TEXT)
+
+    def _take_message(self, transport: WSTransport, payload: bytes, *, text: bool) -> None:
+        if len(payload) > MAX_MESSAGE_BYTES:
+            self._too_big(transport)
+            return
+        if text:
+            try:
                 self._put(payload.decode())
                 return
+            except UnicodeDecodeError:
+                pass  # passed on as bytes: the parser reports it as a bad frame
         self._put(payload)
+
+    def _too_big(self, transport: WSTransport) -> None:
+        transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+        transport.disconnect()
+        self._put(None)
 
     def on_ws_disconnected(self, transport: WSTransport | None) -> None:
         self._put(None)

@@ -57,6 +57,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -472,12 +473,12 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
             for calls in levels(args.levels):
                 rows.append(await run_level(args, "arrivals", calls, prov, workdir))
                 report(rows[-1])
+            factor = await calibrate(args, prov, workdir) if args.calibrate else None
         with providers(replace(CLASSIC, tts=args.tts), args.caller_cpus, workdir) as prov:
             for calls in levels(args.classic):
                 rows.append(await run_level(args, "old load", calls, prov, workdir))
                 report(rows[-1])
     with_deltas(rows)
-    factor = await calibrate(args) if args.calibrate else None
     settings = " ".join(args.env) or "default settings"
     frames = (
         "all callers' frames in one burst every 20 ms"
@@ -498,20 +499,19 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-async def calibrate(args: argparse.Namespace) -> float:
+async def calibrate(args: argparse.Namespace, prov: ProvidersProcess, workdir: Path) -> float:
     """This machine's speed against the issue's: the issue's code (a checkout at
-    ``--calibrate``) at ``--calibrate-calls`` arrival calls, its talking CPU-s per call-minute
-    over the issue's figure for the same load (> 1: this machine is slower)."""
+    ``--calibrate``) at ``--calibrate-calls`` arrival calls, with the arrival levels' providers,
+    its talking CPU-s per call-minute over the issue's figure for the same load (> 1: this
+    machine is slower)."""
     calls = args.calibrate_calls
     ref = argparse.Namespace(**vars(args))
     ref.env = [*args.env, f"PYTHONPATH={args.calibrate}"]
     ref.listen = 0.0  # the talking rate is the ruler; its listening is not needed
     ref.py_spy = 0.0
-    with tempfile.TemporaryDirectory(prefix="ivr-calibrate-") as tmp:
-        workdir = Path(tmp)
-        profile = ProviderProfile(tts=args.tts, reply=reply_of(args.reply_sentences))
-        with providers(profile, args.caller_cpus, workdir) as prov:
-            row = await run_level(ref, "arrivals", calls, prov, workdir)
+    own = workdir / "calibration"  # its logs apart from a level with as many calls
+    own.mkdir(exist_ok=True)
+    row = await run_level(ref, "arrivals", calls, prov, own)
     factor = row.talk_cpu_per_call_min / ISSUE_TALK_CPU[calls]
     print(
         f"\ncalibration: the issue's code ({args.calibrate}) at {calls} calls here: "
@@ -527,8 +527,9 @@ def print_on_issue_machine(rows: list[Row], factor: float) -> None:
     cells = ", ".join(
         f"{r.calls} calls {r.cpu_ms_per_turn / factor:.1f}"
         for r in rows
-        if r.load == "arrivals" and r.cpu_ms_per_turn == r.cpu_ms_per_turn  # not NaN
+        if r.load == "arrivals" and not math.isnan(r.cpu_ms_per_turn)
     )
+    cells = cells or "none measured (it needs the listening rate: --listen > 0)"
     print(f"CPU a turn beyond listening on the issue's machine (est., ms; bar 25): {cells}")
 
 

@@ -84,7 +84,11 @@ class PicowsMediaSocket(WSListener):
             # the fragment list and its size sum.
             if self._parts:
                 self._parts = []  # a fragmented message cut short by this one is dropped
-            self._take_message(transport, frame.get_payload_as_bytes(), text=True)
+            payload = frame.get_payload_as_bytes()
+            if len(payload) > MAX_MESSAGE_BYTES:
+                self._too_big(transport)
+                return
+            self._take_message(payload, text=True)
             return
         if kind in (WSMsgType.TEXT, WSMsgType.BINARY):
             self._part_type, self._parts = kind, []
@@ -104,12 +108,10 @@ class PicowsMediaSocket(WSListener):
             return
         payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
         self._parts = []
-        self._take_message(transport, payload, text=self._part_type is WSMsgType.TEXT)
+        self._take_message(payload, text=self._part_type is WSMsgType.TEXT)
 
-    def _take_message(self, transport: WSTransport, payload: bytes, *, text: bool) -> None:
-        if len(payload) > MAX_MESSAGE_BYTES:
-            self._too_big(transport)
-            return
+    def _take_message(self, payload: bytes, *, text: bool) -> None:
+        """A whole message, its size already checked."""
         if text:
             try:
                 self._put(payload.decode())

@@ -23,8 +23,8 @@ from ivr.state.base import (
     flow_sources_from_json,
     prepare_new,
 )
+from ivr.state.spent_tokens import SWEEP_AT, SpentTokens
 
-_TOKEN_SWEEP_AT = 1024
 _CALL_SWEEP_EVERY = 256
 DEFAULT_ACTIVE_TTL = 6 * 3600.0
 """A live record not written for this long is orphaned (Twilio caps a call at 4 h): as in Redis."""
@@ -41,7 +41,7 @@ class MemoryCallStore:
         self._ended: dict[str, float] = {}  # calls whose deadline counts from their end:
         # their ended_at (epoch seconds), the ended index
         self._creates = 0
-        self._spent_tokens: dict[str, float] = {}  # token -> monotonic time it expires
+        self._spent_tokens = SpentTokens()
         self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
         self._lock = asyncio.Lock()
 
@@ -147,16 +147,14 @@ class MemoryCallStore:
 
     async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
         now = time.monotonic()
-        if self._spent_tokens.get(token, 0.0) > now:
+        if self._spent_tokens.spent(token, now):
             return False
-        if len(self._spent_tokens) >= _TOKEN_SWEEP_AT:  # spends outlive their tokens otherwise
-            self._spent_tokens = {t: d for t, d in self._spent_tokens.items() if d > now}
-        self._spent_tokens[token] = now + ttl
+        self._spent_tokens.spend(token, now + ttl, now)
         return True
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
         now = time.monotonic()
-        if len(self._flows) >= _TOKEN_SWEEP_AT:
+        if len(self._flows) >= SWEEP_AT:  # as spent tokens: versions expire
             self._flows = {v: e for v, e in self._flows.items() if e[1] > now}
         kept = self._flows.get(version)
         raw = kept[0] if kept is not None and kept[1] > now else json.dumps(sources)

@@ -11,8 +11,6 @@ import structlog
 from ivr.state.base import StoreUnavailable
 from ivr.state.resilient_core import PendingSpend, ResilientCore
 
-_SWEEP_AT = 1024  # the map of spends is swept of expired entries past this size
-
 log = structlog.get_logger(__name__)
 
 
@@ -36,9 +34,8 @@ class StreamTokens(ResilientCore):
         first use. While the primary is unreachable, first use means first on this instance,
         and the spend is replayed to the primary when it is back."""
         now = time.monotonic()
-        if self._spent.get(token, 0.0) > now:
+        if self._spent.spent(token, now):
             return False  # used here already: a replay
-        self._sweep_spent(now)
         expires = now + ttl
         if not self.degraded:
             try:
@@ -47,9 +44,9 @@ class StreamTokens(ResilientCore):
                 self._degrade("claim_stream_token", exc)
             else:
                 if first:
-                    self._spent[token] = expires
+                    self._spent.spend(token, expires, now)
                 return first  # the primary's answer decides for every instance
-        self._spent[token] = expires
+        self._spent.spend(token, expires, now)
         self._pending_spends[token] = PendingSpend(call_sid, expires)
         self._wake.set()
         return True
@@ -83,10 +80,6 @@ class StreamTokens(ResilientCore):
         for claim in stuck:
             claim.cancel()
         await asyncio.gather(*late, return_exceptions=True)
-
-    def _sweep_spent(self, now: float) -> None:
-        if len(self._spent) >= _SWEEP_AT:
-            self._spent = {t: d for t, d in self._spent.items() if d > now}
 
     async def _flush_tokens(self) -> None:
         """Spend on the primary what was spent here while it was unreachable, so another

@@ -33,12 +33,19 @@ more than 50 ms over 1 call's, or that has errors.
     .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --phase-slots 10
     git worktree add /tmp/issue21 059684b   # then, the bars read on the issue's machine:
     .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --calibrate /tmp/issue21
+    .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --calibrate /tmp/issue21 \
+        --as-issue-machine                  # the levels run at the issue's machine's speed
 
 ``--calibrate <checkout of 059684b>``: the code the issue measured, run here at 25 calls
 (~1 min more); its CPU per call-minute over the issue's table's is this machine's speed against
 the issue's machine, and each level's CPU a turn is also printed divided by it. Machines here
 differ by 2x and more from one session to the next; the issue's bar of 25 ms a turn was set on
 its own.
+
+``--as-issue-machine`` (with ``--calibrate``): the calibration runs first, and then, on a machine
+faster than the issue's, each level's gateway is held by a cgroup quota to that share of its core
+(``bench/cpu_quota.py``; root needed), so p95 and errors are read at the issue's machine's speed
+rather than estimated. ``--cpu-share F`` holds it to any share.
 
 ``--phase-slots 10``: the callers' frames spread over ten slots of each 20 ms, as real streams
 (each on its own clock) arrive; by default every stream's frame goes out in one burst.
@@ -84,6 +91,7 @@ from arrivals import (
     turn_rate,
 )
 from capacity_callers import TalkLoad, render_lines
+from cpu_quota import CpuQuota
 from gateway_harness import (
     API_KEY,
     ROOT,
@@ -180,7 +188,13 @@ def level_gateway(
         **dict(kv.split("=", 1) for kv in args.env),
     }
     options: dict[str, Any] = {"cpus": args.gateway_cpus, "workers": args.workers, "env": env}
-    with gateway(provider_url, args.vad, args.log_level, workdir, name=name, **options) as gw:
+    with contextlib.ExitStack() as stack:
+        quota = stack.enter_context(CpuQuota(args.cpu_share, name)) if args.cpu_share else None
+        gw = stack.enter_context(
+            gateway(provider_url, args.vad, args.log_level, workdir, name=name, **options)
+        )
+        if quota is not None:  # at once: its workers, forked once it has started, go in too
+            quota.add(gw.pid)
         yield gw
 
 
@@ -446,10 +460,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--calibrate-calls", type=int, default=25, choices=sorted(ISSUE_TALK_CPU),
         help="arrival calls the issue's code is run at (25: loaded, not yet behind, in both)",
     )  # fmt: skip
+    p.add_argument(
+        "--cpu-share", type=float, default=0.0,
+        help="hold the gateway to this share of its core (a cgroup quota): a slower machine",
+    )  # fmt: skip
+    p.add_argument(
+        "--as-issue-machine", action="store_true",
+        help="with --calibrate: calibrate first, then run the levels with the gateway held to"
+        " the issue's machine's speed (--cpu-share from the calibration)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = p.parse_args(argv)
     if args.calibrate:  # the gateway runs elsewhere: its PYTHONPATH must not be relative
         args.calibrate = str(Path(args.calibrate).resolve())
+    if args.as_issue_machine and not args.calibrate:
+        p.error("--as-issue-machine needs --calibrate <checkout of 059684b>")
+    if args.as_issue_machine and args.cpu_share:
+        p.error("--as-issue-machine sets the CPU share itself: drop --cpu-share")
     return args
 
 
@@ -470,10 +497,15 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         os.makedirs(workdir, exist_ok=True)
         profile = ProviderProfile(tts=args.tts, reply=reply_of(args.reply_sentences))
         with providers(profile, args.caller_cpus, workdir) as prov:
+            factor = None
+            if args.as_issue_machine:  # measured on the whole core, before it is held back
+                factor = await calibrate(args, prov, workdir)
+                args.cpu_share = issue_machine_share(factor)
             for calls in levels(args.levels):
                 rows.append(await run_level(args, "arrivals", calls, prov, workdir))
                 report(rows[-1])
-            factor = await calibrate(args, prov, workdir) if args.calibrate else None
+            if args.calibrate and factor is None:
+                factor = await calibrate(args, prov, workdir)
         with providers(replace(CLASSIC, tts=args.tts), args.caller_cpus, workdir) as prov:
             for calls in levels(args.classic):
                 rows.append(await run_level(args, "old load", calls, prov, workdir))
@@ -485,9 +517,16 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         if args.phase_slots <= 1
         else f"callers' frames spread over {args.phase_slots} slots of each 20 ms"
     )
+    held = (
+        f" held to {args.cpu_share:.2f} of it (a cgroup quota)"
+        + (": the issue's machine's speed" if args.as_issue_machine else "")
+        if args.cpu_share
+        else ""
+    )
     print_table(
         rows,
-        f"Capacity: gateway on CPU {args.gateway_cpus}, {args.workers} worker(s), {settings}; "
+        f"Capacity: gateway on CPU {args.gateway_cpus}{held}, {args.workers} worker(s), "
+        f"{settings}; "
         f"{frames}; "
         f"arrivals every {args.interval * 1000:.0f} ms, providers {profile.describe()}; "
         f"old load: {replace(CLASSIC, tts=args.tts).describe()}",
@@ -509,6 +548,7 @@ async def calibrate(args: argparse.Namespace, prov: ProvidersProcess, workdir: P
     ref.env = [*args.env, f"PYTHONPATH={args.calibrate}"]
     ref.listen = 0.0  # the talking rate is the ruler; its listening is not needed
     ref.py_spy = 0.0
+    ref.cpu_share = 0.0  # the ruler is the whole core
     own = workdir / "calibration"  # its logs apart from a level with as many calls
     own.mkdir(exist_ok=True)
     row = await run_level(ref, "arrivals", calls, prov, own)
@@ -520,6 +560,18 @@ async def calibrate(args: argparse.Namespace, prov: ProvidersProcess, workdir: P
         f"(p50 {row.p50_ms:.0f} ms, {row.errors} errors, {row.cpu_percent:.0f} % CPU)"
     )
     return factor
+
+
+def issue_machine_share(factor: float) -> float:
+    """The share of its core that makes the gateway as fast as on the issue's machine: this
+    machine's speed against it (``factor`` < 1: faster); a slower machine cannot be sped up."""
+    if factor >= 1.0:
+        print(
+            f"this machine is slower than the issue's ({factor:.2f}x): the levels run on the "
+            "whole core, and its bars are harder to hold here than there"
+        )
+        return 0.0
+    return round(factor, 2)
 
 
 def print_on_issue_machine(rows: list[Row], factor: float) -> None:

@@ -33,8 +33,7 @@ more than 50 ms over 1 call's, or that has errors.
     .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --phase-slots 10
     git worktree add /tmp/issue21 059684b   # then, the bars read on the issue's machine:
     .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --calibrate /tmp/issue21
-    .venv/bin/python bench/capacity.py --levels 1,100,200 --classic '' --calibrate /tmp/issue21 \
-        --as-issue-machine                  # the levels run at the issue's machine's speed
+    .venv/bin/python bench/capacity.py --calibrate /tmp/issue21 --as-issue-machine  # at its speed
 
 ``--calibrate <checkout of 059684b>``: the code the issue measured, run here at 25 calls
 (~1 min more); its CPU per call-minute over the issue's table's is this machine's speed against

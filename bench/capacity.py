@@ -188,7 +188,10 @@ def level_gateway(
     }
     options: dict[str, Any] = {"cpus": args.gateway_cpus, "workers": args.workers, "env": env}
     with contextlib.ExitStack() as stack:
-        quota = stack.enter_context(CpuQuota(args.cpu_share, name)) if args.cpu_share else None
+        quota = None
+        if args.cpu_share:  # of each of its CPUs (--workers 2 on 0,1: two shares)
+            share = CpuQuota(args.cpu_share, name, cores=len(cpus(args.gateway_cpus)))
+            quota = stack.enter_context(share)
         gw = stack.enter_context(
             gateway(provider_url, args.vad, args.log_level, workdir, name=name, **options)
         )

@@ -29,18 +29,21 @@ class CpuQuotaUnavailable(RuntimeError):
 
 class CpuQuota:
     """``with CpuQuota(0.64, "bench-gw") as quota: quota.add(pid)``: ``pid`` (and what it forks
-    afterwards) runs at most ``share`` of one core until the block ends (the group is removed
-    then; its processes must have exited)."""
+    afterwards) runs at most ``share`` of each of its ``cores`` until the block ends (the group
+    is removed then; its processes must have exited)."""
 
-    def __init__(self, share: float, name: str) -> None:
+    def __init__(self, share: float, name: str, cores: int = 1) -> None:
         if not 0.05 <= share <= 1.0:
             raise ValueError(f"a CPU share must be within 0.05-1 of a core, got {share}")
+        if cores < 1:
+            raise ValueError(f"a CPU quota needs at least one core, got {cores}")
         self.share = share
+        self.cores = cores
         self._name = f"{name}-{os.getpid()}"
         self._dir: Path | None = None
 
     def __enter__(self) -> CpuQuota:
-        quota_us = round(self.share * PERIOD_US)
+        quota_us = round(self.share * self.cores * PERIOD_US)  # a quota spans the group's cores
         try:
             if (V2_ROOT / "cgroup.controllers").exists():
                 # v2: the cpu controller must be enabled for the root's children first.

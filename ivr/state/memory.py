@@ -23,7 +23,7 @@ from ivr.state.base import (
     flow_sources_from_json,
     prepare_new,
 )
-from ivr.state.spent_tokens import SWEEP_AT, SpentTokens
+from ivr.state.expiring import ExpiringMap
 
 _CALL_SWEEP_EVERY = 256
 DEFAULT_ACTIVE_TTL = 6 * 3600.0
@@ -41,8 +41,8 @@ class MemoryCallStore:
         self._ended: dict[str, float] = {}  # calls whose deadline counts from their end:
         # their ended_at (epoch seconds), the ended index
         self._creates = 0
-        self._spent_tokens = SpentTokens()
-        self._flows: dict[str, tuple[str, float]] = {}  # version -> (sources JSON, deadline)
+        self._spent_tokens: ExpiringMap[str] = ExpiringMap()  # token -> the call it admitted
+        self._flows: ExpiringMap[str] = ExpiringMap()  # version -> its sources, as JSON
         self._lock = asyncio.Lock()
 
     def _load(self, call_sid: str) -> CallRecord | None:
@@ -147,24 +147,22 @@ class MemoryCallStore:
 
     async def claim_stream_token(self, token: str, call_sid: str, ttl: float) -> bool:
         now = time.monotonic()
-        if self._spent_tokens.spent(token, now):
+        if self._spent_tokens.holds(token, now):
             return False
-        self._spent_tokens.spend(token, now + ttl, now)
+        self._spent_tokens.put(token, call_sid, now + ttl, now)
         return True
 
     async def save_flow_sources(self, version: str, sources: dict[str, str], ttl: float) -> None:
         now = time.monotonic()
-        if len(self._flows) >= SWEEP_AT:  # as spent tokens: versions expire
-            self._flows = {v: e for v, e in self._flows.items() if e[1] > now}
-        kept = self._flows.get(version)
-        raw = kept[0] if kept is not None and kept[1] > now else json.dumps(sources)
-        self._flows[version] = (raw, now + ttl)
+        kept = self._flows.get(version, now)  # a version's sources never change: keep its JSON
+        raw = kept if kept is not None else json.dumps(sources)
+        self._flows.put(version, raw, now + ttl, now)
 
     async def load_flow_sources(self, version: str) -> dict[str, str] | None:
-        entry = self._flows.get(version)
-        if entry is None or time.monotonic() >= entry[1]:
+        raw = self._flows.get(version, time.monotonic())
+        if raw is None:
             return None
-        return flow_sources_from_json(entry[0], f"memory:flow:{version}")
+        return flow_sources_from_json(raw, f"memory:flow:{version}")
 
     async def ping(self) -> bool:
         return True

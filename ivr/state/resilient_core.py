@@ -22,7 +22,7 @@ from ivr.state.base import (
     apply_mutation,
     clone,
 )
-from ivr.state.spent_tokens import SpentTokens
+from ivr.state.expiring import ExpiringMap
 
 log = structlog.get_logger("ivr.state")
 
@@ -85,7 +85,8 @@ class ResilientCore:
         # updated_at, since a Redis restarted empty hands out the same version numbers again.
         self._synced: dict[str, Stamp | None] = {}
         self._pending: OrderedDict[str, CallRecord] = OrderedDict()
-        self._spent = SpentTokens()  # stream tokens spent here (decided here while degraded)
+        # Stream tokens spent here -> the call each admitted (decided here while degraded)
+        self._spent: ExpiringMap[str] = ExpiringMap()
         self._pending_spends: dict[str, PendingSpend] = {}  # spent while degraded
         # Token claims that overran the budget, left to land (``StreamTokens``)
         self._late_claims: set[asyncio.Future[bool]] = set()

@@ -34,7 +34,7 @@ class StreamTokens(ResilientCore):
         first use. While the primary is unreachable, first use means first on this instance,
         and the spend is replayed to the primary when it is back."""
         now = time.monotonic()
-        if self._spent.spent(token, now):
+        if self._spent.holds(token, now):
             return False  # used here already: a replay
         expires = now + ttl
         if not self.degraded:
@@ -44,9 +44,9 @@ class StreamTokens(ResilientCore):
                 self._degrade("claim_stream_token", exc)
             else:
                 if first:
-                    self._spent.spend(token, expires, now)
+                    self._spent.put(token, call_sid, expires, now)
                 return first  # the primary's answer decides for every instance
-        self._spent.spend(token, expires, now)
+        self._spent.put(token, call_sid, expires, now)
         self._pending_spends[token] = PendingSpend(call_sid, expires)
         self._wake.set()
         return True

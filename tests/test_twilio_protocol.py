@@ -89,11 +89,14 @@ def test_unknown_events_are_returned_not_raised() -> None:
         ('{"event": "mark", "mark": {}}', "bad_mark"),
         ('{"event": "media", "sequenceNumber": "x", "media": {"payload": "AA=="}}', "bad_media"),
         ("x" * (twilio.MAX_MESSAGE_CHARS + 1), "oversized_frame"),
-        # Numbers Python's json accepts but int() cannot take (they killed the receive loop).
-        ('{"event": "media", "sequenceNumber": 1e999, "media": {"payload": "AA=="}}', "bad_media"),
+        # A number that is infinite as a double (int() cannot take it: it once killed the
+        # receive loop) is refused as JSON, like Infinity and NaN.
+        ('{"event": "media", "sequenceNumber": 1e999, "media": {"payload": "AA=="}}', "bad_json"),
+        # A lone surrogate escaped is no text (it could never be encoded to log or store).
+        ('{"event": "media", "media": {"payload": "AA=="}, "streamSid": "\\ud800"}', "bad_json"),
         ('{"event": "media", "media": {"payload": "AA==", "timestamp": Infinity}}', "bad_json"),
         ('{"event": "mark", "sequenceNumber": NaN, "mark": {"name": "g0:1"}}', "bad_json"),
-        # Nested deeper than the parser's recursion limit (RecursionError ended the stream).
+        # Nested deeper than the parser allows (a RecursionError once ended the stream).
         ('{"event": "media", "x": ' + "[" * 30_000 + "]" * 30_000 + "}", "bad_json"),
     ],
 )

@@ -17,7 +17,6 @@ from structlog.testing import capture_logs
 from twilio.request_validator import RequestValidator
 
 from ivr.sim.caller import place_call
-from ivr.sim.line import FRAME_S
 from ivr.testing.openai_server import ChatScript, FakeOpenAIServer, Fault
 
 pytestmark = pytest.mark.slow
@@ -61,9 +60,9 @@ async def test_a_spoken_exchange_goes_through_stt_llm_and_tts(
     assert len(bot_turns) == 2
     reply = report.turns[-1]
     # Never before the 300 ms of endpoint silence, which the gateway counts by Twilio's
-    # timestamps; the caller's end is stamped when its last frame went out, and a late tick of
-    # this process's sender (other test files run beside it) stamps it a frame or two late.
-    assert reply.latency_s is not None and 0.3 - 3 * FRAME_S < reply.latency_s < 1.5
+    # timestamps, as the simulated caller stamps its end (on the frame clock, however late
+    # this busy process sends the frames).
+    assert reply.latency_s is not None and 0.3 <= reply.latency_s < 1.5
     assert report.marks_echoed >= 2
 
 

@@ -75,6 +75,10 @@ class Gw:
     close_after_first_utterance: bool = False
     close_after_reply_played: bool = False
     send_bad_messages: bool = False
+    stall_at_voiced_frame: int = 0
+    """Block this process's event loop (the simulated caller's too) for ``stall_s`` when the
+    caller's this-many-th voiced frame arrives: a busy test process, for real."""
+    stall_s: float = 0.0
     action_twiml: list[str] = field(default_factory=list)
     bad_signatures: list[str] = field(default_factory=list)
     voice_forms: list[dict[str, str]] = field(default_factory=list)
@@ -150,6 +154,7 @@ class _Conversation:
         self.replies = 0
         self.tasks: list[asyncio.Task[None]] = []
         self.echoed = asyncio.Event()
+        self.voiced_frames = 0
 
     async def send(self, msg: dict[str, Any] | bytes) -> None:
         async with self.lock:
@@ -186,6 +191,9 @@ class _Conversation:
 
     async def on_media(self, frame: bytes) -> None:
         voiced = any(b != 0xFF for b in frame)
+        self.voiced_frames += voiced
+        if voiced and self.voiced_frames == self.gw.stall_at_voiced_frame:
+            time.sleep(self.gw.stall_s)  # noqa: ASYNC251 -- the stall is the point
         if voiced and not self.speaking:
             self.speaking = True
             pending = [n for n in self.gw.mark_sent if n not in self.gw.mark_echo]
@@ -407,6 +415,24 @@ async def test_a_call_measures_latency_echoes_marks_after_playout_and_follows_th
     with wave.open(str(tmp_path / "call.wav")) as w:
         assert (w.getnchannels(), w.getframerate()) == (2, 8000)
         assert w.getnframes() == pytest.approx(report.duration_s * 8000, abs=8)
+
+
+async def test_a_caller_whose_frames_go_out_late_reports_latency_from_the_frame_clock(
+    tmp_path: Path,
+) -> None:
+    """The caller's last words are sent ~0.26 s late (the process stalls 0.3 s two frames
+    before they are due), as a busy test process sends them. The gateway counts its silence
+    in frames, as ours counts Twilio's timestamps, so it answers 0.3 + 0.4 s after the words
+    ended on the frame clock; measured from their late send, the reply read ~0.26 s short."""
+    gw = Gw(stall_at_voiced_frame=23, stall_s=0.3)
+    wav = tone_wav(tmp_path / "hi.wav", 0.5)  # 25 voiced frames
+    async with serving(gw) as base:
+        report = await place_call(
+            base, script=script([{"wav": str(wav)}]), auth_token=TOKEN, public_base_url=PUBLIC
+        )
+    assert report.errors == [] and gw.utterance_ends
+    (turn,) = report.turns
+    assert turn.latency_s == pytest.approx(ENDPOINT_S + gw.reply_delay, abs=0.1)
 
 
 async def test_barge_in_speech_gets_a_clear_that_drops_queued_audio_and_echoes_marks_at_once() -> (

@@ -51,7 +51,7 @@ class Mic:
         self._noise_i = 0
 
     def queue(self, audio: bytes) -> asyncio.Future[float]:
-        """Queue whole frames; the future gets the send time of the last one."""
+        """Queue whole frames; the future gets when the last one ends on the frame clock."""
         self._buf += audio
         self._queued += len(audio)
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -263,12 +263,13 @@ class MediaSession:
         with contextlib.suppress(ConnectionClosed):
             while True:
                 chunk += 1
-                delay = origin + chunk * FRAME_S - time.monotonic()
+                due = origin + chunk * FRAME_S  # when this frame's 20 ms are over
+                delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 frame, speech = self.line.mic.take()
                 # By the frame clock, not the send time: an echo has no gaps.
-                end = round((origin + chunk * FRAME_S - self.line.t0) * SAMPLE_RATE)
+                end = round((due - self.line.t0) * SAMPLE_RATE)
                 parts = None
                 if self.line.echo is not None:
                     parts = self.line.echo.mix_frame(frame, self.playout, end)
@@ -282,10 +283,13 @@ class MediaSession:
                     "payload": base64.b64encode(frame).decode(),
                 }
                 t = await self._send({"event": "media", "media": media})
+                # The caller's words end, and their track is placed, on the frame clock, as the
+                # timestamps the gateway counts its silence by: a send this task makes late
+                # (a busy test process) is not the caller speaking later. By the send time, a
+                # reply's latency read short by that lag.
                 if speech:
-                    start = round((t - self.line.t0) * SAMPLE_RATE) - FRAME_BYTES
-                    self.line.caller_track.append(Segment(t, max(0, start), frame))
-                self.line.mic.sent(t)
+                    self.line.caller_track.append(Segment(t, max(0, end - FRAME_BYTES), frame))
+                self.line.mic.sent(due)
 
     async def _receive(self) -> None:
         link = self.line.link.arrivals() if self.line.link is not None else None

@@ -5,7 +5,8 @@ in 20 ms multiples, paced so that ``lead`` to ``lead + refill`` seconds are queu
 ahead of its playout clock (so a ``clear`` discards little and costs nothing): the sender wakes
 when only ``lead`` is left and tops the queue up by ``refill`` in one go, 100 ms messages back
 to back, instead of waking for every message (each wake-up is a timer, a task switch and a
-pass of the event loop). Each segment is followed by a mark named ``g<generation>:<seq>``.
+pass of the event loop); 400 ms messages were measured no cheaper (``bench/README.md``, stop
+46). Each segment is followed by a mark named ``g<generation>:<seq>``.
 Twilio echoes a mark once the audio before it has played, and echoes *every* pending mark at
 once on ``clear``, possibly after new speech has begun. An interrupt starts a new generation
 and numbers its segments from 1 again, so the generation in a mark's name is the one thing

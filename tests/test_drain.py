@@ -406,10 +406,12 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
     assert left["reason"] == "disconnect"
     assert record is not None
     # There is no other instance here. The draining carrier still answers the <Connect action>
-    # (the store is shared: another instance could take the stream) and refuses the new stream
-    # with 503, so before it exits either Twilio's "completed" reaches it (seen once in a full
-    # run) or the action comes back until the resume limit apologises (seen once in CI). Either
-    # way the call was dropped by what followed the cut, never by the drain itself.
+    # (the store is shared: another instance could take the stream) and turns the new stream
+    # away: refused with 503, or, once its listener has closed, never connected at all (the
+    # actions reach it on a kept-alive connection; seen once in a fresh clone's full run). So
+    # before it exits either Twilio's "completed" reaches it (seen once in a full run) or the
+    # action comes back until the resume limit apologises (seen once in CI). Either way the
+    # call was dropped by what followed the cut, never by the drain itself.
     ended = carrier.log_events("call.ended", call_sid=call_sid)
     if ended:
         [how] = [e["ended_by"] for e in ended]
@@ -417,7 +419,10 @@ async def test_a_call_that_does_not_end_is_cut_when_the_drain_runs_out(
         assert record.outcome == Outcome.DROPPED
         if how == "connect_action":
             assert carrier.log_events("call.resume_limit", call_sid=call_sid)
-            assert resumes and carrier.log_events("stream.refused_draining")
+            # Every resumed stream that reached it was refused, and there were resumed streams.
+            refused = carrier.log_events("stream.refused_draining")
+            unconnected = [c for c in cl.lb.connections if c.closed_by == "no-backend"]
+            assert len(resumes) <= len(refused) and (resumes or unconnected), (resumes, refused)
     else:
         assert record.status == CallStatus.RECONNECTING
     print(f"\ndrain timeout {drain_s:.0f} s: the process exited {took:.2f} s after SIGTERM")

@@ -37,14 +37,17 @@ more than 50 ms over 1 call's, or that has errors.
 
 ``--calibrate <checkout of 059684b>``: the code the issue measured, run here at 25 calls
 (~1 min more); its CPU per call-minute over the issue's table's is this machine's speed against
-the issue's machine, and each level's CPU a turn is also printed divided by it. Machines here
+the issue's machine, and each level's CPU a turn and listening rate are also printed divided
+by it. Machines here
 differ by 2x and more from one session to the next; the issue's bar of 25 ms a turn was set on
 its own.
 
 ``--as-issue-machine`` (with ``--calibrate``): the calibration runs first, and then, on a machine
 faster than the issue's, each level's gateway is held by a cgroup quota to that share of its core
 (``bench/cpu_quota.py``; root needed), so p95 and errors are read at the issue's machine's speed
-rather than estimated. ``--cpu-share F`` holds it to any share.
+rather than estimated; the calibration runs again after the levels, and the readings on the
+issue's machine span the two (the machine's speed moved 16 % within an hour at stop 46).
+``--cpu-share F`` holds it to any share.
 
 ``--phase-slots 10``: the callers' frames spread over ten slots of each 20 ms, as real streams
 (each on its own clock) arrive; by default every stream's frame goes out in one burst.
@@ -499,15 +502,15 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         os.makedirs(workdir, exist_ok=True)
         profile = ProviderProfile(tts=args.tts, reply=reply_of(args.reply_sentences))
         with providers(profile, args.caller_cpus, workdir) as prov:
-            factor = None
+            factors: list[float] = []
             if args.as_issue_machine:  # measured on the whole core, before it is held back
-                factor = await calibrate(args, prov, workdir)
-                args.cpu_share = issue_machine_share(factor)
+                factors.append(await calibrate(args, prov, workdir, "calibration"))
+                args.cpu_share = issue_machine_share(factors[0])
             for calls in levels(args.levels):
                 rows.append(await run_level(args, "arrivals", calls, prov, workdir))
                 report(rows[-1])
-            if args.calibrate and factor is None:
-                factor = await calibrate(args, prov, workdir)
+            if args.calibrate:  # (again) after the levels: how far the machine moved meanwhile
+                factors.append(await calibrate(args, prov, workdir, "calibration-after"))
         with providers(replace(CLASSIC, tts=args.tts), args.caller_cpus, workdir) as prov:
             for calls in levels(args.classic):
                 rows.append(await run_level(args, "old load", calls, prov, workdir))
@@ -534,29 +537,31 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         f"old load: {replace(CLASSIC, tts=args.tts).describe()}",
     )
     print(knee(rows))
-    if factor is not None:
-        print_on_issue_machine(rows, factor)
+    if factors:
+        print_on_issue_machine(rows, factors)
     print(f"load average: start {start_load}, end {os.getloadavg()} on {os.cpu_count()} CPUs")
     return rows
 
 
-async def calibrate(args: argparse.Namespace, prov: ProvidersProcess, workdir: Path) -> float:
+async def calibrate(
+    args: argparse.Namespace, prov: ProvidersProcess, workdir: Path, name: str
+) -> float:
     """This machine's speed against the issue's: the issue's code (a checkout at
     ``--calibrate``) at ``--calibrate-calls`` arrival calls, with the arrival levels' providers,
     its talking CPU-s per call-minute over the issue's figure for the same load (> 1: this
-    machine is slower)."""
+    machine is slower). ``name``: the folder of ``workdir`` its logs go to."""
     calls = args.calibrate_calls
     ref = argparse.Namespace(**vars(args))
     ref.env = [*args.env, f"PYTHONPATH={args.calibrate}"]
     ref.listen = 0.0  # the talking rate is the ruler; its listening is not needed
     ref.py_spy = 0.0
     ref.cpu_share = 0.0  # the ruler is the whole core
-    own = workdir / "calibration"  # its logs apart from a level with as many calls
+    own = workdir / name  # its logs apart from a level with as many calls
     own.mkdir(exist_ok=True)
     row = await run_level(ref, "arrivals", calls, prov, own)
     factor = row.talk_cpu_per_call_min / ISSUE_TALK_CPU[calls]
     print(
-        f"\ncalibration: the issue's code ({args.calibrate}) at {calls} calls here: "
+        f"\n{name}: the issue's code ({args.calibrate}) at {calls} calls here: "
         f"{row.talk_cpu_per_call_min:.3f} CPU-s per call-minute talking, the issue's table "
         f"{ISSUE_TALK_CPU[calls]:.2f}: this machine is {factor:.2f}x the issue's "
         f"(p50 {row.p50_ms:.0f} ms, {row.errors} errors, {row.cpu_percent:.0f} % CPU)"
@@ -576,15 +581,30 @@ def issue_machine_share(factor: float) -> float:
     return round(factor, 2)
 
 
-def print_on_issue_machine(rows: list[Row], factor: float) -> None:
-    """The per-turn CPU read on the issue's machine (the bar: 25 ms; the issue's code: 165)."""
-    cells = ", ".join(
-        f"{r.calls} calls {r.cpu_ms_per_turn / factor:.1f}"
-        for r in rows
-        if r.load == "arrivals" and not math.isnan(r.cpu_ms_per_turn)
-    )
-    cells = cells or "none measured (it needs the listening rate: --listen > 0)"
-    print(f"CPU a turn beyond listening on the issue's machine (est., ms; bar 25): {cells}")
+def print_on_issue_machine(rows: list[Row], factors: list[float]) -> None:
+    """The per-turn CPU and the listening rate read on the issue's machine (bars: 25 ms and
+    0.15 CPU-s per call-minute), by each calibration: the machine's speed moves between runs
+    (16 % within an hour, stop 46), and two calibrations, before and after the levels, show
+    how far these readings can be trusted."""
+    lo, hi = min(factors), max(factors)
+    if len(factors) > 1:
+        print(
+            "calibrations: "
+            + ", then ".join(f"{f:.2f}x" for f in factors)
+            + f" ({100 * (hi / lo - 1):.0f} % apart): the readings below span them"
+        )
+
+    def there(value: float, digits: int) -> str:
+        a, b = round(value / hi, digits), round(value / lo, digits)
+        return f"{a:.{digits}f}" if a == b else f"{a:.{digits}f}-{b:.{digits}f}"
+
+    measured = [r for r in rows if r.load == "arrivals" and not math.isnan(r.cpu_ms_per_turn)]
+    none = "none measured (it needs the listening rate: --listen > 0)"
+    turns = ", ".join(f"{r.calls} calls {there(r.cpu_ms_per_turn, 1)}" for r in measured)
+    print(f"CPU a turn beyond listening on the issue's machine (est., ms; bar 25): {turns or none}")
+    listen = ", ".join(f"{r.calls} calls {there(r.listen_cpu_per_call_min, 3)}" for r in measured)
+    print(f"listening on the issue's machine (est., CPU-s per call-minute; bar 0.15): "
+          f"{listen or none}")  # fmt: skip
 
 
 def report(row: Row) -> None:

@@ -38,9 +38,8 @@ more than 50 ms over 1 call's, or that has errors.
 ``--calibrate <checkout of 059684b>``: the code the issue measured, run here at 25 calls
 (~1 min more); its CPU per call-minute over the issue's table's is this machine's speed against
 the issue's machine, and each level's CPU a turn and listening rate are also printed divided
-by it. Machines here
-differ by 2x and more from one session to the next; the issue's bar of 25 ms a turn was set on
-its own.
+by it. Machines here differ by 2x and more from one session to the next; the issue's bar of
+25 ms a turn was set on its own.
 
 ``--as-issue-machine`` (with ``--calibrate``): the calibration runs first, and then, on a machine
 faster than the issue's, each level's gateway is held by a cgroup quota to that share of its core

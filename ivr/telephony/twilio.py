@@ -98,7 +98,8 @@ def parse_message(text: str | bytes) -> InboundMessage:
     try:
         return parser(msg)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        # OverflowError: a number such as 1e999 parses as inf, which int() refuses.
+        # OverflowError: int() of an infinite float. orjson refuses 1e999 at parse; kept so
+        # that a parser which lets one through still cannot end the stream.
         raise ProtocolError(f"bad_{event}", f"{type(exc).__name__}: {exc}") from exc
 
 

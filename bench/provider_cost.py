@@ -14,8 +14,14 @@ unit, with ``--concurrency`` units at once as a loaded gateway has them:
 ``--sdk`` adds the same requests through the openai SDK over its default httpx2 transport, with
 typed stream chunks: how the adapters talked before (the difference was the capacity ceiling).
 
+``--count-reads`` adds, per unit, how often aiohttp's response protocol was handed bytes and how
+often it ran its parser on nothing: aiohttp 3.14's ``StreamReader._read_nowait_chunk`` calls
+``protocol.resume_reading()`` for every buffered HTTP chunk it hands out, paused or not, and
+that runs ``data_received(b"")`` (the figures for an upstream report; stop 47).
+
     .venv/bin/python bench/provider_cost.py
     .venv/bin/python bench/provider_cost.py --sdk --concurrency 20
+    .venv/bin/python bench/provider_cost.py --count-reads
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import openai
 import uvloop
+from aiohttp.client_proto import ResponseHandler
 from arrivals import REPLY, ProviderProfile, providers
 from gateway_harness import API_KEY
 
@@ -89,6 +96,30 @@ async def sdk_llm(client: openai.AsyncOpenAI) -> None:
         pass
 
 
+class ReadCounter:
+    """Counts what aiohttp's client protocol is handed: bytes off the socket, or nothing (a
+    resumed parser with no new data). Wraps the third-party method for this process only."""
+
+    def __init__(self) -> None:
+        self.with_bytes = 0
+        self.empty = 0
+        original = ResponseHandler.data_received
+
+        def counted(protocol: ResponseHandler, data: bytes) -> None:
+            if data:
+                self.with_bytes += 1
+            else:
+                self.empty += 1
+            original(protocol, data)
+
+        ResponseHandler.data_received = counted  # type: ignore[method-assign,assignment]
+
+    def take(self) -> tuple[int, int]:
+        taken = self.with_bytes, self.empty
+        self.with_bytes = self.empty = 0
+        return taken
+
+
 async def cost(unit: Callable[[], Awaitable[None]], rounds: int, concurrency: int) -> float:
     """CPU-ms of this process per ``unit``, ``concurrency`` of them at a time."""
     await unit()  # connections up, imports done
@@ -118,10 +149,19 @@ async def main(args: argparse.Namespace) -> None:
                 ("sdk over httpx2: tts", lambda: sdk_tts(sdk)),
                 ("sdk over httpx2: llm (typed chunks)", lambda: sdk_llm(sdk)),
             ]
+        counter = ReadCounter() if args.count_reads else None
+        units = args.rounds * args.concurrency + 1  # cost() runs one unit first
         print(f"CPU-ms per unit, {args.concurrency} at once, {args.rounds} rounds, uvloop")
+        if counter is not None:
+            print(f"  {'':<46} {'CPU-ms':>7} {'reads':>7} {'empty':>7}  (aiohttp, per unit)")
         try:
             for name, unit in rows:
-                print(f"  {name:<46} {await cost(unit, args.rounds, args.concurrency):7.1f}")
+                ms = await cost(unit, args.rounds, args.concurrency)
+                if counter is None:
+                    print(f"  {name:<46} {ms:7.1f}")
+                    continue
+                reads, empty = counter.take()
+                print(f"  {name:<46} {ms:7.1f} {reads / units:7.1f} {empty / units:7.1f}")
         finally:
             for closing in (tts.aclose(), llm.aclose(), stt.aclose(), sdk.close()):
                 await closing
@@ -133,4 +173,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu", type=int, default=0, help="this process's CPU")
     parser.add_argument("--sdk", action="store_true", help="add the openai SDK over httpx2")
+    parser.add_argument(
+        "--count-reads", action="store_true", help="count aiohttp's reads, empty ones apart"
+    )
     sys.exit(uvloop.run(main(parser.parse_args())))

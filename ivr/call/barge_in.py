@@ -57,6 +57,32 @@ resume it sooner (~0.35 s with a 150 ms STT); this is for a slow or failed STT."
 class Floor:
     """One call's floor: its ``FloorState`` and the prompt a caller's sound paused."""
 
+    # Slots: every inbound frame reads this object, most often with it out of the CPU's caches
+    # (bench/frame_cost.py); slotted, its attributes are in the object, not an array apart.
+    __slots__ = (
+        "_clock",
+        "_early",
+        "_endpointer",
+        "_inputs",
+        "_last_from",
+        "_last_level",
+        "_last_ms",
+        "_last_over_bot",
+        "_last_paused",
+        "_min_speech_ms",
+        "_pause_bound",
+        "_pause_deadline",
+        "_paused_speech",
+        "_sound_paused",
+        "_speaker",
+        "_timeline",
+        "frame_end",
+        "judge",
+        "onset",
+        "policy",
+        "state",
+    )
+
     def __init__(
         self,
         *,

@@ -63,6 +63,27 @@ class _PendingUtterance:
 
 
 class Hearing:
+    # Slots: every inbound frame reads this object, most often with it out of the CPU's caches
+    # (bench/frame_cost.py); slotted, its attributes are in the object, not an array apart.
+    __slots__ = (
+        "_audio_taps",
+        "_backlog",
+        "_clock",
+        "_endpointer",
+        "_floor",
+        "_frame_end",
+        "_heard_within",
+        "_live",
+        "_on_speech_start",
+        "_payloads",
+        "_pcm_tail",
+        "_speaker",
+        "_stream_to_clock",
+        "_stt",
+        "_turns",
+        "speculation",
+    )
+
     def __init__(
         self,
         *,

@@ -212,6 +212,21 @@ class BargeInJudge:
     clock), stream times are Twilio's.
     """
 
+    # Slots: every inbound frame reads this object, most often with it out of the CPU's caches
+    # (bench/frame_cost.py); slotted, its attributes are in the object, not an array apart.
+    __slots__ = (
+        "_echo_delay",
+        "_floor",
+        "_frames",
+        "_near",
+        "_near_end",
+        "_utterance",
+        "caller_level",
+        "echo_path",
+        "habit",
+        "reference",
+    )
+
     ECHO_CHECK_EVERY_FRAMES = 2
     NEAR_WINDOW_S = 0.24
 

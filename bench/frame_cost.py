@@ -23,7 +23,7 @@ across the calls). No provider is asked: line noise is never a turn.
 * ``back-to-back``: no clock; each call's frames in a row. What the Python costs with one call's
   state hot in the CPU's caches the whole time.
 
-    .venv/bin/python bench/frame_cost.py                        # the sweep (~1 min)
+    .venv/bin/python bench/frame_cost.py                        # the sweep (~3 min)
     .venv/bin/python bench/frame_cost.py --calls 100 --rms 0,64 --mode one-pass
     .venv/bin/python bench/frame_cost.py --calls 100 --rms 0 --mode round-robin --evict-mb 32
 

@@ -223,8 +223,13 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{args.rounds} rounds, CPU {args.cpu}{evicted}")
     head = ("line rms", "us/frame best", "median", "CPU-s/call-min", "Silero/frame")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, WIDTHS, strict=True)))
-    for rms in args.rms:
-        rounds = [await one_round(args, batcher, rms, seed) for seed in range(args.rounds)]
+    # Rounds outermost: this machine's speed drifts by a third within minutes, so every level
+    # gets a round early and late instead of its rounds in a row (levels would read the drift).
+    results: dict[float, list[tuple[float, float]]] = {rms: [] for rms in args.rms}
+    for seed in range(args.rounds):
+        for rms in args.rms:
+            results[rms].append(await one_round(args, batcher, rms, seed))
+    for rms, rounds in results.items():
         us = sorted(r[0] for r in rounds)
         per_min = us[0] * FRAMES_PER_MINUTE / 1e6
         windows = statistics.median(r[1] for r in rounds)

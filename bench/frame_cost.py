@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import os
 import statistics
 import time
 
 import numpy as np
-import orjson
 import uvloop
+from gateway_harness import inbound_media_json, noise_payloads
 
-from ivr.audio.codec import pcm16_to_ulaw
 from ivr.audio.gated_vad import shared_pool
 from ivr.audio.silero_batch import SileroBatcher
 from ivr.call.player import AudioPlayer
@@ -107,27 +105,6 @@ class ListOfMessages:
         return self._messages[i]
 
 
-def media_messages(pcm16: bytes, stream_sid: str) -> list[str]:
-    """Twilio's media messages for ``pcm16`` (8 kHz), 20 ms each, as Twilio words them."""
-    ulaw = pcm16_to_ulaw(pcm16)
-    return [
-        orjson.dumps(
-            {
-                "event": "media",
-                "sequenceNumber": str(i + 3),
-                "streamSid": stream_sid,
-                "media": {
-                    "track": "inbound",
-                    "chunk": str(i + 1),
-                    "timestamp": str(i * 20),
-                    "payload": base64.b64encode(ulaw[i * 160 : (i + 1) * 160]).decode(),
-                },
-            }
-        ).decode()
-        for i in range(len(ulaw) // 160)
-    ]
-
-
 def new_session(settings: Settings) -> CallSession:
     async def nothing(*_: object) -> None:
         pass
@@ -147,13 +124,14 @@ async def one_round(
 ) -> tuple[float, float]:
     """us of CPU a frame, and Silero windows a frame, for ``--calls`` fresh calls."""
     settings = Settings()
-    rng = np.random.default_rng(seed)
-    frames = int(args.seconds * 50)
+    # Every call hears the same line, as capacity.py's callers do; each round a new stretch.
+    payloads = noise_payloads(rms, args.seconds, seed)
+    frames = len(payloads)
     streams = []
     for i in range(args.calls):
-        noise = np.clip(rng.normal(0.0, rms, frames * 160), -32768, 32767) if rms else None
-        pcm = bytes(frames * 320) if noise is None else noise.astype("<i2").tobytes()
-        streams.append((new_session(settings), media_messages(pcm, f"MZ{i:032x}")))
+        sid = f"MZ{i:032x}"
+        messages = [inbound_media_json(sid, n + 3, n + 1, p) for n, p in enumerate(payloads)]
+        streams.append((new_session(settings), messages))
     windows = batcher.windows
     clock = FrameClock()
     started = time.process_time()
@@ -233,9 +211,9 @@ async def main(args: argparse.Namespace) -> None:
         us = sorted(r[0] for r in rounds)
         per_min = us[0] * FRAMES_PER_MINUTE / 1e6
         windows = statistics.median(r[1] for r in rounds)
-        print(
-            f"{rms:8g} {us[0]:14.2f} {statistics.median(us):7.2f} {per_min:15.4f} {windows:13.3f}"
-        )
+        row = (f"{rms:g}", f"{us[0]:.2f}", f"{statistics.median(us):.2f}", f"{per_min:.4f}",
+               f"{windows:.3f}")  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(row, WIDTHS, strict=True)))
     print("the socket under it: .venv/bin/python bench/ws_floor.py --stacks picows")
 
 

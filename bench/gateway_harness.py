@@ -284,12 +284,21 @@ class CpuSampler:
 # -- phase 1: lightweight listening callers ---------------------------------------------------
 
 
-def noise_payloads(rms: float, seconds: float = 2.0) -> list[str]:
+def noise_payloads(rms: float, seconds: float = 2.0, seed: int = 7) -> list[str]:
     """Base64 mu-law frames of faint Gaussian line noise (rms in PCM16 units; 16 ~ -66 dBFS)."""
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     pcm = rng.normal(0, rms, int(8000 * seconds)).clip(-32768, 32767).astype("<i2")
     ulaw = pcm16_to_ulaw(pcm.tobytes())
     return [base64.b64encode(ulaw[i : i + 160]).decode() for i in range(0, len(ulaw), 160)]
+
+
+def inbound_media_json(sid: str, seq: int, chunk: int, payload: str) -> str:
+    """Twilio's media message for the caller's ``chunk``-th 20 ms (``payload``: base64 mu-law)."""
+    return (
+        f'{{"event":"media","sequenceNumber":"{seq}","media":{{"track":"inbound",'
+        f'"chunk":"{chunk}","timestamp":"{chunk * 20}","payload":"{payload}"}},'
+        f'"streamSid":"{sid}"}}'
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -313,11 +322,7 @@ class Stream:
     def media_json(self, payload: str) -> str:
         self.seq += 1
         self.chunk += 1
-        return (
-            f'{{"event":"media","sequenceNumber":"{self.seq}","media":{{"track":"inbound",'
-            f'"chunk":"{self.chunk}","timestamp":"{self.chunk * 20}","payload":"{payload}"}},'
-            f'"streamSid":"{self.sid}"}}'
-        )
+        return inbound_media_json(self.sid, self.seq, self.chunk, payload)
 
     def next_payload(self, line_noise: str, now: float) -> str:
         """What the caller's microphone picks up in this 20 ms (a talking caller speaks)."""
